@@ -1,0 +1,129 @@
+"""Which tensors were created in a block, and per-thread bookkeeping.
+
+A process-wide map ``id(tensor) -> weak reference`` identifies block-created
+tensors in the pack hook. It holds no tensor strongly: each entry is a weak
+reference whose callback removes it when the tensor dies and tells the owning
+thread's state, which drops the saved-tensor interception once the thread has
+no open block and no live block tensor left.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from ._record import Node, Region
+
+__all__ = ["ThreadState", "thread_state", "register", "lookup", "live_tensor", "unregister"]
+
+_lock = threading.Lock()
+
+
+class ThreadState:
+    """What one thread has open: blocks, live block tensors, our dispatch mode."""
+
+    __slots__ = (
+        "ident",
+        "regions",
+        "open_blocks",
+        "live",
+        "mode",
+        "bypass",
+        "busy",
+        "installed",
+        "__weakref__",
+    )
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
+        self.regions: list[Region] = []  # open blocks, innermost last
+        self.open_blocks = 0
+        self.live = 0  # block tensors created in this thread and still alive
+        self.mode: Any = None  # our dispatch mode while a block is open
+        self.bypass = 0  # >0: our dispatch mode passes ops through (replay, internals)
+        self.busy = 0  # >0: inside our pack/unpack hook; never touch the hook stack then
+        self.installed = False  # our hook pair may be on this thread's stack
+
+    def needed(self) -> bool:
+        return self.open_blocks > 0 or self.live > 0
+
+
+_tls = threading.local()
+
+# Called (in the owning thread, at a safe point) when a thread's need ends.
+on_unneeded: Callable[[ThreadState], None] = lambda state: None
+
+
+def thread_state() -> ThreadState:
+    state = getattr(_tls, "state", None)
+    if state is None:
+        state = _tls.state = ThreadState()
+    return state
+
+
+class _Ref(weakref.ref):
+    __slots__ = ("key", "node", "owner")
+
+
+_LIVE: dict[int, _Ref] = {}
+
+
+def _on_death(ref: _Ref) -> None:
+    with _lock:
+        if _LIVE.get(ref.key) is ref:
+            del _LIVE[ref.key]
+        owner = ref.owner
+        owner.live -= 1
+        unneeded = owner.live == 0 and owner.open_blocks == 0
+    if unneeded:
+        on_unneeded(owner)
+
+
+def register(t: torch.Tensor, node: Node, owner: ThreadState) -> None:
+    ref = _Ref(t, _on_death)
+    ref.key = key = id(t)
+    ref.node = node
+    ref.owner = owner
+    with _lock:
+        old = _LIVE.get(key)
+        if old is not None:
+            # Same tensor seen again (e.g. an op returned an existing tensor):
+            # keep the first record of it.
+            return
+        _LIVE[key] = ref
+        owner.live += 1
+
+
+def lookup(t: torch.Tensor) -> Node | None:
+    """The node of a live block-created tensor, or None."""
+    ref = _LIVE.get(id(t))
+    if ref is not None and ref() is t:
+        return ref.node
+    return None
+
+
+def live_tensor(node: Node) -> torch.Tensor | None:
+    """The tensor a node stands for, if it is still alive."""
+    ref = _LIVE.get(node.key)
+    if ref is not None and ref.node is node:
+        return ref()
+    return None
+
+
+def unregister(nodes: list[Node]) -> None:
+    """Forget nodes (an aborted block): their tensors become ordinary tensors."""
+    dropped: list[ThreadState] = []
+    with _lock:
+        for node in nodes:
+            ref = _LIVE.get(node.key)
+            if ref is not None and ref.node is node:
+                del _LIVE[node.key]
+                ref.owner.live -= 1
+                dropped.append(ref.owner)
+    for owner in dropped:
+        if owner.live == 0 and owner.open_blocks == 0:
+            on_unneeded(owner)

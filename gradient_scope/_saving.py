@@ -1,0 +1,140 @@
+"""What the pack hook stores: handles for block tensors, pass-through otherwise.
+
+A handle names a node of a block's record and the version the tensor had when
+autograd saved it; unpacking it asks :mod:`._replay` for the value. A tensor
+that is not ours is handed to the hook pair below ours if there is one,
+exactly as without the scope; otherwise it is stored detached (a pack hook that
+returns its input leaks through a reference cycle) together with its version,
+because saved-tensor hooks switch off PyTorch's own in-place check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import _interception, _replay
+from ._record import ExternalRef, Node
+from ._registry import lookup, thread_state
+
+__all__ = ["Handle"]
+
+_INF = 1 << 62
+
+
+class Handle:
+    """Stands in for a block-created tensor that autograd saved."""
+
+    __slots__ = ("node", "version", "bound", "view", "__weakref__")
+
+    def __init__(self, node: Node, version: int, bound: int, view: tuple[Any, Any, int] | None) -> None:
+        self.node = node
+        self.version = version
+        self.bound = bound  # ops at or after this index had not happened yet
+        self.view = view  # (size, stride, offset from base) of a view taken after the block
+
+    def unpack(self) -> torch.Tensor:
+        return _replay.materialize(self)
+
+
+class _Plain:
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor, state: Any) -> None:
+        state.bypass += 1  # our dispatch mode must not record this detach
+        try:
+            self.t = t.detach()
+        finally:
+            state.bypass -= 1
+        self.version = t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.t
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: [{t.type()} {list(t.shape)}] is at "
+                f"version {t._version}; expected version {self.version} instead. "
+                "(Checked by gradient_scope, which stands in for PyTorch's own check "
+                "while its saved-tensor hooks are active.)"
+            )
+        return t
+
+
+class _Foreign:
+    __slots__ = ("unpack_fn", "packed")
+
+    def __init__(self, unpack_fn: Callable[[Any], torch.Tensor], packed: Any) -> None:
+        self.unpack_fn = unpack_fn
+        self.packed = packed
+
+    def unpack(self) -> torch.Tensor:
+        return self.unpack_fn(self.packed)
+
+
+def _make_handle(node: Node, t: torch.Tensor, view: tuple[Any, Any, int] | None) -> Handle | None:
+    root = node.root
+    if isinstance(root, ExternalRef):
+        # A view of an outside tensor: storing it costs nothing extra.
+        return None
+    region = node.region
+    v = t._version
+    bound = _INF
+    if root.mutations:
+        if region.open:
+            for j, pre in root.mutations:
+                if pre >= v:
+                    bound = j
+                    break
+        elif root.final_version is None or v != root.final_version:
+            return None  # modified after the block: store it as usual
+    elif v != node.version:
+        return None
+    h = Handle(node, v, bound, view)
+    with region.lock:
+        if region.handles is None:
+            region.handles = weakref.WeakSet()
+        region.handles.add(h)
+        stats = region.stats
+        stats.tensors_packed += 1
+        stats.bytes_packed += t.numel() * t.element_size()
+    return h
+
+
+def pack(entry: _interception.Entry, t: torch.Tensor) -> Any:
+    state = thread_state()
+    state.busy += 1
+    try:
+        node = lookup(t)
+        view = None
+        if node is None:
+            base = t._base
+            if base is not None:
+                node = lookup(base)
+                if node is not None:
+                    view = (t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+        if node is not None:
+            h = _make_handle(node, t, view)
+            if h is not None:
+                return h
+        below = entry.below
+        if below is not None:
+            return _Foreign(below[1], below[0](t))
+        return _Plain(t, state)
+    finally:
+        state.busy -= 1
+
+
+def unpack(packed: Any) -> torch.Tensor:
+    state = thread_state()
+    state.busy += 1
+    try:
+        return packed.unpack()
+    finally:
+        state.busy -= 1
+
+
+_interception.pack_impl = pack
+_interception.unpack_impl = unpack
