@@ -1,0 +1,221 @@
+"""gradient_scope quickstart: recompute activations instead of storing them.
+
+A small GPT-style language model (token + position embeddings, pre-LayerNorm blocks
+with explicit causal self-attention and a 4x GELU MLP) is trained for a few steps with
+AdamW on random tokens, twice, from the same seed:
+
+* ``plain``  -- ordinary PyTorch: autograd keeps every activation backward needs.
+* ``scoped`` -- identical code, except that in every block the attention probabilities
+  (scores, causal mask, softmax, dropout) and the MLP activation ``gelu(fc1(x))`` are
+  computed inside ``with recompute_scope():``.  Tensors created in such a block are not
+  kept for backward; backward recomputes them (dropout included, with the same random
+  numbers) from the tensors the block read.
+
+For each variant the script prints the memory autograd holds after the forward pass,
+the peak memory of forward + backward, and the median step time; then the largest
+difference between the two variants' gradients after the first backward (0.0 on CPU:
+recomputation is bitwise exact).
+
+Run:  python examples/quickstart.py
+"""
+
+import contextlib
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from gradient_scope import recompute_scope
+
+VOCAB, CONTEXT, D_MODEL, N_HEAD, N_LAYER = 512, 128, 128, 4, 3
+BATCH, STEPS, DROPOUT, SEED = 8, 5, 0.1, 0
+
+
+def scope(recompute: bool):
+    """The one line that differs between the two variants.
+
+    (``recompute_scope(enabled=recompute)`` would do the same; the plain variant uses
+    ``nullcontext`` so that the baseline does not touch the library at all.)
+    """
+    return recompute_scope() if recompute else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.recompute = recompute
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL)
+        self.proj = nn.Linear(D_MODEL, D_MODEL)
+        self.attn_drop = nn.Dropout(DROPOUT)
+        causal = torch.ones(CONTEXT, CONTEXT, dtype=torch.bool).triu(1)
+        self.register_buffer("causal", causal, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, N_HEAD, C // N_HEAD).transpose(1, 2) for t in (q, k, v))
+        # The (B, heads, T, T) tensors are the big ones.  Computing the scores inside the
+        # block too means the block reads only q, k (kept for q @ k^T anyway) and the
+        # mask, instead of keeping the T x T scores alive as its input.
+        with scope(self.recompute):
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(C // N_HEAD)
+            att = att.masked_fill(self.causal[:T, :T], float("-inf"))
+            att = self.attn_drop(att.softmax(dim=-1))
+        y = att @ v  # saves `att`: in the scoped variant, a small recompute handle
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.recompute = recompute
+        self.fc1 = nn.Linear(D_MODEL, 4 * D_MODEL)
+        self.fc2 = nn.Linear(4 * D_MODEL, D_MODEL)
+        self.drop = nn.Dropout(DROPOUT)
+
+    def forward(self, x):
+        with scope(self.recompute):
+            h = F.gelu(self.fc1(x))  # 4x wider than x: recomputed, not stored
+        return self.drop(self.fc2(h))
+
+
+class Block(nn.Module):
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(D_MODEL), CausalSelfAttention(recompute)
+        self.ln2, self.mlp = nn.LayerNorm(D_MODEL), MLP(recompute)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, recompute: bool = False):
+        super().__init__()
+        self.tok_emb = nn.Embedding(VOCAB, D_MODEL)
+        self.pos_emb = nn.Embedding(CONTEXT, D_MODEL)
+        self.blocks = nn.ModuleList(Block(recompute) for _ in range(N_LAYER))
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+# ------------------------------------------------------------------ memory probe
+#
+# CPU memory is measured with PyTorch's profiler (profile_memory=True), which logs every
+# CPU tensor allocation (+nbytes) and deallocation (-nbytes) while it runs.  Summing
+# those deltas in time order gives the exact number of bytes allocated since the
+# profiler started, at every moment:
+#   held = level at the end of the forward pass  (what autograd keeps for backward,
+#          plus the scalar loss; parameters existed before and are not counted)
+#   peak = highest level reached during forward + backward (gradients included).
+# Forward and backward must be profiled in ONE session: the profiler cannot report the
+# free of a block allocated before it started.  Saved-tensor hooks are out of the
+# question as a probe here: gradient_scope itself is built on them.
+
+
+def profile_memory(forward, backward):
+    """Run ``out = forward(); backward(out)``; return ``(out, held, peak)`` in bytes."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("quickstart.forward"):
+            out = forward()
+        backward(out)
+    events = prof.profiler.kineto_results.events()
+    fwd_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == "quickstart.forward")
+    deltas = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
+    level = held = peak = 0
+    for t, nbytes in deltas:
+        level += nbytes
+        peak = max(peak, level)
+        if t <= fwd_end:
+            held = level
+    return out, held, peak
+
+
+def check_memory_probe():
+    """Validate the probe on a known pattern before trusting it with the model."""
+    MiB = 2**20
+
+    def forward():  # allocate three 1 MiB tensors, keep two
+        a, b, c = (torch.empty(MiB, dtype=torch.uint8) for _ in range(3))
+        return [a, b]
+
+    def backward(kept):  # free the two (allocated *before* this call), then allocate 1.5 MiB
+        kept.clear()
+        torch.empty(MiB + MiB // 2, dtype=torch.uint8)
+
+    _, held, peak = profile_memory(forward, backward)
+    assert (held, peak) == (2 * MiB, 3 * MiB), f"memory probe is off: held={held} peak={peak}"
+
+
+# ------------------------------------------------------------------------ training
+
+
+def train(recompute: bool) -> dict:
+    torch.manual_seed(SEED)  # same weights, same data, same dropout masks in both runs
+    model = GPT(recompute)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.randint(VOCAB, (STEPS, BATCH, CONTEXT + 1))  # synthetic data
+    result = {"times": [], "losses": []}
+    for step in range(STEPS):
+        x, y = tokens[step, :, :-1].contiguous(), tokens[step, :, 1:].contiguous()
+        opt.zero_grad(set_to_none=True)
+        if step == 0:  # profiled step: memory and first gradients, not timed
+            loss, result["held"], result["peak"] = profile_memory(
+                lambda: model(x, y), lambda loss: loss.backward()
+            )
+            result["grads"] = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+        else:
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            result["times"].append(time.perf_counter() - t0)
+        result["losses"].append(loss.item())
+        del loss
+    return result
+
+
+def main():
+    check_memory_probe()
+    runs = {"plain": train(recompute=False), "scoped": train(recompute=True)}
+
+    MiB = 2**20
+    print(f"GPT: {N_LAYER} layers, d={D_MODEL}, {N_HEAD} heads, batch {BATCH} x {CONTEXT} tokens")
+    print(f"{'variant':<8} {'held after forward':>20} {'peak fwd+bwd':>14} {'median step':>13}")
+    for name, r in runs.items():
+        step_ms = 1e3 * statistics.median(r["times"])
+        print(f"{name:<8} {r['held'] / MiB:>16.2f} MiB {r['peak'] / MiB:>10.2f} MiB {step_ms:>10.1f} ms")
+    saved = 1 - runs["scoped"]["held"] / runs["plain"]["held"]
+    print(f"activation memory saved by recompute_scope: {saved:.0%}")
+
+    grad_diff = max(
+        (gp - gs).abs().max().item()
+        for gp, gs in zip(runs["plain"]["grads"], runs["scoped"]["grads"])
+    )
+    print(f"max |grad difference| after the first backward: {grad_diff}")
+    print(f"losses  plain: {[round(v, 4) for v in runs['plain']['losses']]}")
+    print(f"losses scoped: {[round(v, 4) for v in runs['scoped']['losses']]}")
+
+
+if __name__ == "__main__":
+    main()
