@@ -73,7 +73,6 @@ class Node:
     """A tensor created in the block: where it came from, and what it looked like."""
 
     __slots__ = (
-        "region",
         "key",
         "op",
         "size",
@@ -85,10 +84,12 @@ class Node:
         "mutations",
         "final_version",
         "debug_value",
+        "stats",
     )
 
-    def __init__(self, region: Region, op: int, t: Tensor, root: Group | None) -> None:
-        self.region = region
+    # No reference to the region: the region holds its nodes (a cycle would keep
+    # a block's inputs alive until the garbage collector runs).
+    def __init__(self, op: int, t: Tensor, root: Group | None) -> None:
         self.key = id(t)
         self.op = op
         self.size = t.shape
@@ -100,6 +101,7 @@ class Node:
         self.mutations: list[tuple[int, int]] = []  # (op index, version before) on a root
         self.final_version: int | None = None
         self.debug_value: Tensor | None = None
+        self.stats: ScopeStats | None = None  # of the scope that created it
 
     def describe(self) -> str:
         return f"tensor of shape {list(self.size)} ({self.dtype}, {self.device})"
@@ -198,13 +200,18 @@ class Region:
         stats: ScopeStats,
     ) -> None:
         self.state = state
+        self.ops: list[OpRecord] = []
+        self.open = True
+        self._ext: dict[int, ExternalRef] = {}
+        # Options of the innermost scope recording into this region. A scope
+        # nested in an open one records into the same region (two regions
+        # reading each other's tensors would form a reference cycle through
+        # the autograd graph), with its own options and counters.
+        self._frames: list[tuple[Any, ...]] = []
         self.preserve_rng = preserve_rng_state
         self.save = save
         self.debug = debug
         self.stats = stats
-        self.ops: list[OpRecord] = []
-        self.open = True
-        self._ext: dict[int, ExternalRef] = {}
         self._saved_ops: dict[Any, bool] = {}
         self.mutated: list[Group] = []
         self.lock = threading.RLock()
@@ -213,12 +220,26 @@ class Region:
         self.pass_state: Any = None
         self.closures: dict[Any, frozenset[int]] = {}
 
+    def push_frame(
+        self, *, preserve_rng_state: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats
+    ) -> None:
+        self._frames.append(
+            (self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, len(self.ops))
+        )
+        self.preserve_rng, self.save, self.debug, self.stats = preserve_rng_state, save, debug, stats
+        self._saved_ops = {}
+
+    def pop_frame(self, aborted: bool) -> None:
+        self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, start = self._frames.pop()
+        if aborted:
+            _registry.unregister([n for rec in self.ops[start:] for n in rec.outs if n is not None])
+
     # -- inputs
 
     def _ref(self, t: Tensor) -> Ref:
-        node = _registry.lookup(t)
-        if node is not None and node.region is self:
-            return node
+        entry = _registry.lookup(t)
+        if entry is not None and entry.region is self:
+            return entry.node
         key = id(t)
         ext = self._ext.get(key)
         if ext is None or ext.tensor is not t or ext.version != t._version:
@@ -242,9 +263,9 @@ class Region:
             t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
             if not isinstance(t, Tensor):
                 continue
-            node = _registry.lookup(t)
-            if node is not None and node.region is self:
-                root = node.root
+            entry = _registry.lookup(t)
+            if entry is not None and entry.region is self:
+                root = entry.node.root
             else:
                 root = self._ref(t)  # an ExternalRef
             if isinstance(root, ExternalRef):
@@ -314,10 +335,11 @@ class Region:
                 root = src.root
             elif isinstance(src, ExternalRef):
                 root = src
-        node = Node(self, index, t, root)
+        node = Node(index, t, root)
+        node.stats = self.stats
         if self.debug:
             node.debug_value = t.detach().clone()
-        _registry.register(t, node, state)
+        _registry.register(t, node, self, state)
         return node
 
     # -- lifetime

@@ -66,13 +66,17 @@ def thread_state() -> ThreadState:
 
 
 class _Ref(weakref.ref):
-    __slots__ = ("key", "node", "owner")
+    """Weak reference to a block tensor, with what the pack hook needs of it."""
+
+    __slots__ = ("key", "node", "region", "owner")
 
 
 _LIVE: dict[int, _Ref] = {}
 
 
 def _on_death(ref: _Ref) -> None:
+    if _lock is None:  # interpreter shutdown: module globals are gone
+        return
     with _lock:
         if _LIVE.get(ref.key) is ref:
             del _LIVE[ref.key]
@@ -83,10 +87,11 @@ def _on_death(ref: _Ref) -> None:
         on_unneeded(owner)
 
 
-def register(t: torch.Tensor, node: Node, owner: ThreadState) -> None:
+def register(t: torch.Tensor, node: Node, region: Region, owner: ThreadState) -> None:
     ref = _Ref(t, _on_death)
     ref.key = key = id(t)
     ref.node = node
+    ref.region = region
     ref.owner = owner
     with _lock:
         old = _LIVE.get(key)
@@ -98,11 +103,11 @@ def register(t: torch.Tensor, node: Node, owner: ThreadState) -> None:
         owner.live += 1
 
 
-def lookup(t: torch.Tensor) -> Node | None:
-    """The node of a live block-created tensor, or None."""
+def lookup(t: torch.Tensor) -> _Ref | None:
+    """The registry entry (``.node``, ``.region``) of a live block tensor, or None."""
     ref = _LIVE.get(id(t))
     if ref is not None and ref() is t:
-        return ref.node
+        return ref
     return None
 
 

@@ -140,7 +140,7 @@ def materialize(h: Handle) -> torch.Tensor:
         with torch.no_grad():
             t = live_tensor(node)
             if t is None or t._version != h.version:
-                t = _replay(node.region, h)
+                t = _replay(h.region, h)
             else:
                 t = t.detach()
             if h.view is not None:
@@ -273,7 +273,7 @@ def _run(
                 out.append(a)
         return out
 
-    stats = region.stats
+    stats = target.stats
     result: torch.Tensor | None = None
     with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
         for i in plan:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from . import _interception, _replay
-from ._record import ExternalRef, Node
+from ._record import ExternalRef, Node, Region
 from ._registry import lookup, thread_state
 
 __all__ = ["Handle"]
@@ -27,9 +27,12 @@ _INF = 1 << 62
 class Handle:
     """Stands in for a block-created tensor that autograd saved."""
 
-    __slots__ = ("node", "version", "bound", "view", "__weakref__")
+    __slots__ = ("region", "node", "version", "bound", "view", "__weakref__")
 
-    def __init__(self, node: Node, version: int, bound: int, view: tuple[Any, Any, int] | None) -> None:
+    def __init__(
+        self, region: Region, node: Node, version: int, bound: int, view: tuple[Any, Any, int] | None
+    ) -> None:
+        self.region = region
         self.node = node
         self.version = version
         self.bound = bound  # ops at or after this index had not happened yet
@@ -74,12 +77,13 @@ class _Foreign:
         return self.unpack_fn(self.packed)
 
 
-def _make_handle(node: Node, t: torch.Tensor, view: tuple[Any, Any, int] | None) -> Handle | None:
+def _make_handle(
+    region: Region, node: Node, t: torch.Tensor, view: tuple[Any, Any, int] | None
+) -> Handle | None:
     root = node.root
     if isinstance(root, ExternalRef):
         # A view of an outside tensor: storing it costs nothing extra.
         return None
-    region = node.region
     v = t._version
     bound = _INF
     if root.mutations:
@@ -92,34 +96,34 @@ def _make_handle(node: Node, t: torch.Tensor, view: tuple[Any, Any, int] | None)
             return None  # modified after the block: store it as usual
     elif v != node.version:
         return None
-    h = Handle(node, v, bound, view)
+    h = Handle(region, node, v, bound, view)
     with region.lock:
         if region.handles is None:
             region.handles = weakref.WeakSet()
         region.handles.add(h)
-        stats = region.stats
+        stats = node.stats
         stats.tensors_packed += 1
         stats.bytes_packed += t.numel() * t.element_size()
     return h
 
 
-def pack(entry: _interception.Entry, t: torch.Tensor) -> Any:
+def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
     state = thread_state()
     state.busy += 1
     try:
-        node = lookup(t)
+        entry = lookup(t)
         view = None
-        if node is None:
+        if entry is None:
             base = t._base
             if base is not None:
-                node = lookup(base)
-                if node is not None:
+                entry = lookup(base)
+                if entry is not None:
                     view = (t.size(), t.stride(), t.storage_offset() - base.storage_offset())
-        if node is not None:
-            h = _make_handle(node, t, view)
+        if entry is not None:
+            h = _make_handle(entry.region, entry.node, t, view)
             if h is not None:
                 return h
-        below = entry.below
+        below = hook.below
         if below is not None:
             return _Foreign(below[1], below[0](t))
         return _Plain(t, state)

@@ -98,6 +98,18 @@ class recompute_scope:
             self._region = None  # records nothing: a plain block
             return self
         state = thread_state()
+        if state.regions:
+            # Nested in an open block of this thread: record into its region.
+            region = state.regions[-1]
+            region.push_frame(
+                preserve_rng_state=self._options["preserve_rng_state"],
+                save=self._save,
+                debug=self._options["debug"],
+                stats=self._stats,
+            )
+            self._region = region
+            self._nested = True
+            return self
         try:
             _interception.ensure_on_top(state)
         except BaseException:
@@ -117,6 +129,7 @@ class recompute_scope:
             mode.__enter__()
             state.mode = mode
         self._region = region
+        self._nested = False
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -127,7 +140,17 @@ class recompute_scope:
             self._active = False
             return
         state = region.state
-        if not state.regions or state.regions[-1] is not region:
+        if self._nested:
+            if region._frames and region.stats is self._stats and state.regions[-1] is region:
+                region.pop_frame(aborted=exc_type is not None)
+                self._region = None
+                self._active = False
+                return
+            raise RuntimeError(
+                "recompute_scope: scopes exited out of order (or in another thread). "
+                "Exit the innermost recompute_scope first."
+            )
+        if region._frames or not state.regions or state.regions[-1] is not region:
             raise RuntimeError(
                 "recompute_scope: scopes exited out of order (or in another thread). "
                 "Exit the innermost recompute_scope first."
