@@ -5,8 +5,22 @@ they are recomputed from a record of the block's ops when backward needs them.
 """
 
 from ._errors import RecomputeError
+from ._helpers import apply_recompute, recompute_sequential, remove_recompute
 from ._record import ScopeStats
 from ._scope import recompute, recompute_scope
+from .policies import save_any, save_attention, save_matmuls, save_nothing
 
-__all__ = ["RecomputeError", "ScopeStats", "recompute", "recompute_scope"]
+__all__ = [
+    "RecomputeError",
+    "ScopeStats",
+    "apply_recompute",
+    "recompute",
+    "recompute_scope",
+    "recompute_sequential",
+    "remove_recompute",
+    "save_any",
+    "save_attention",
+    "save_matmuls",
+    "save_nothing",
+]
 __version__ = "0.1.0"

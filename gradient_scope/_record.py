@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registry, _rng
-from ._registry import ThreadState
+from ._registry import _LIVE, ThreadState, register
 
 __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "OpRecord", "RecordingMode"]
 
@@ -66,7 +66,7 @@ class ExternalRef:
         self.tensor = tensor
         self.version = tensor._version
         self.snapshot = False
-        self.mutations: list[tuple[int, int]] = []
+        self.mutations: list[tuple[int, int]] | tuple[()] = ()
 
 
 class Node:
@@ -76,7 +76,6 @@ class Node:
         "key",
         "op",
         "size",
-        "stride",
         "dtype",
         "device",
         "version",
@@ -89,19 +88,19 @@ class Node:
 
     # No reference to the region: the region holds its nodes (a cycle would keep
     # a block's inputs alive until the garbage collector runs).
-    def __init__(self, op: int, t: Tensor, root: Group | None) -> None:
+    def __init__(self, op: int, t: Tensor, root: Group | None, stats: ScopeStats) -> None:
         self.key = id(t)
         self.op = op
         self.size = t.shape
-        self.stride = t.stride()
         self.dtype = t.dtype
         self.device = t.device
         self.version = t._version
         self.root: Group = self if root is None else root
-        self.mutations: list[tuple[int, int]] = []  # (op index, version before) on a root
+        # (op index, version before) of each write to this storage group; on roots.
+        self.mutations: list[tuple[int, int]] | tuple[()] = ()
         self.final_version: int | None = None
         self.debug_value: Tensor | None = None
-        self.stats: ScopeStats | None = None  # of the scope that created it
+        self.stats = stats  # of the scope that created it
 
     def describe(self) -> str:
         return f"tensor of shape {list(self.size)} ({self.dtype}, {self.device})"
@@ -114,12 +113,14 @@ Ref = Union[Node, ExternalRef]
 class OpRecord:
     __slots__ = ("func", "args", "kwargs", "outs", "rng")
 
-    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rng: Any) -> None:
+    def __init__(
+        self, func: Any, args: list[Any], kwargs: dict[str, Any], rng: Any, outs: tuple[Node | None, ...]
+    ) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.rng = rng
-        self.outs: tuple[Node | None, ...] = ()
+        self.outs = outs
 
 
 # ------------------------------------------------------------------ op facts
@@ -138,11 +139,17 @@ _HIDDEN_VIEWS = {"aten::_unsafe_view", "aten::_reshape_alias"}
 _NEW, _INPLACE, _VIEW = 0, 1, 2
 
 
+# Collectives replayed in backward can hang or corrupt data when ranks replay in
+# different orders: their outputs are always stored.
+_NEVER_REPLAY_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"}
+
+
 class OpInfo:
-    __slots__ = ("seeded", "writes", "outs", "view_arg")
+    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
+        self.never_replay = schema.name.split("::", 1)[0] in _NEVER_REPLAY_NAMESPACES
         self.seeded = _rng.is_seeded(func)
         writes: list[int | str] = []
         sets: dict[str, int] = {}
@@ -184,6 +191,13 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
+def _has_tensor(seq: Any) -> bool:
+    for x in seq:
+        if isinstance(x, Tensor):
+            return True
+    return False
+
+
 # ------------------------------------------------------------------ regions
 
 
@@ -208,6 +222,7 @@ class Region:
         # reading each other's tensors would form a reference cycle through
         # the autograd graph), with its own options and counters.
         self._frames: list[tuple[Any, ...]] = []
+        self._count_from = 0  # ops from here on count for the current scope's stats
         self.preserve_rng = preserve_rng_state
         self.save = save
         self.debug = debug
@@ -223,107 +238,126 @@ class Region:
     def push_frame(
         self, *, preserve_rng_state: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats
     ) -> None:
-        self._frames.append(
-            (self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, len(self.ops))
-        )
+        n = len(self.ops)
+        self.stats.ops_recorded += n - self._count_from  # the enclosing scope's so far
+        self._count_from = n
+        self._frames.append((self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, n))
         self.preserve_rng, self.save, self.debug, self.stats = preserve_rng_state, save, debug, stats
         self._saved_ops = {}
 
     def pop_frame(self, aborted: bool) -> None:
+        n = len(self.ops)
+        self.stats.ops_recorded += n - self._count_from
+        self._count_from = n
         self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, start = self._frames.pop()
         if aborted:
             _registry.unregister([n for rec in self.ops[start:] for n in rec.outs if n is not None])
 
     # -- inputs
 
-    def _ref(self, t: Tensor) -> Ref:
-        entry = _registry.lookup(t)
-        if entry is not None and entry.region is self:
-            return entry.node
+    def external(self, t: Tensor) -> ExternalRef:
         key = id(t)
         ext = self._ext.get(key)
         if ext is None or ext.tensor is not t or ext.version != t._version:
             ext = self._ext[key] = ExternalRef(t)
         return ext
 
-    def _refs(self, args: Any) -> Any:
-        out = []
-        for a in args:
-            if isinstance(a, Tensor):
-                out.append(self._ref(a))
-            elif type(a) in (list, tuple) and any(isinstance(x, Tensor) for x in a):
-                out.append([self._ref(x) if isinstance(x, Tensor) else x for x in a])
-            else:
-                out.append(a)
-        return out
+    def _ref(self, t: Tensor) -> Ref:
+        entry = _LIVE.get(id(t))
+        if entry is not None and entry.region is self and entry() is t:
+            return entry.node
+        return self.external(t)
 
     def _writes(self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, int]]:
-        muts = []
+        muts: list[tuple[Group, int]] = []
         for w in info.writes:
             t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
             if not isinstance(t, Tensor):
                 continue
-            entry = _registry.lookup(t)
-            if entry is not None and entry.region is self:
-                root = entry.node.root
-            else:
-                root = self._ref(t)  # an ExternalRef
-            if isinstance(root, ExternalRef):
-                if not root.snapshot:
-                    # Keep the value before the write: replay writes into copies.
-                    root.tensor = root.tensor.detach().clone(memory_format=torch.preserve_format)
-                    root.snapshot = True
-                    if self._ext.get(id(t)) is root:
-                        del self._ext[id(t)]
-                muts.append((root, t._version))
-            else:
-                muts.append((root, t._version))
+            ref = self._ref(t)
+            root = ref.root if isinstance(ref, Node) else ref
+            if isinstance(root, ExternalRef) and not root.snapshot:
+                # Keep the value before the write: replay writes into copies.
+                root.tensor = root.tensor.detach().clone(memory_format=torch.preserve_format)
+                root.snapshot = True
+                if self._ext.get(id(t)) is root:
+                    del self._ext[id(t)]
+            muts.append((root, t._version))
         return muts
 
-    # -- the hot path
+    def _is_saved(self, func: Any) -> bool:
+        keep = self._saved_ops.get(func)
+        if keep is None:
+            keep = self._saved_ops[func] = bool(self.save(func))
+        return keep
+
+    # -- the hot path: keep it lean, it runs for every op of every block
 
     def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not _is_grad_enabled():
+        if self.save is not None and self._is_saved(func):
+            # Stored, not recomputed: later ops read its outputs as inputs.
             return func(*args, **kwargs)
-        save = self.save
-        if save is not None:
-            keep = self._saved_ops.get(func)
-            if keep is None:
-                keep = self._saved_ops[func] = bool(save(func))
-            if keep:
-                # Stored, not recomputed: later ops read its outputs as inputs.
+        info = _INFO.get(func)
+        if info is None:
+            info = op_info(func)
+            if info.never_replay:
                 return func(*args, **kwargs)
-        info = _INFO.get(func) or op_info(func)
-        rargs = self._refs(args)
-        rkwargs = dict(zip(kwargs, self._refs(kwargs.values()))) if kwargs else kwargs
+        elif info.never_replay:
+            return func(*args, **kwargs)
+        live_get = _LIVE.get
+        rargs: list[Any] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                entry = live_get(id(a))
+                if entry is not None and entry.region is self and entry() is a:
+                    rargs.append(entry.node)
+                else:
+                    rargs.append(self.external(a))
+            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                rargs.append([self._ref(x) if isinstance(x, Tensor) else x for x in a])
+            else:
+                rargs.append(a)
+        rkwargs = kwargs
+        if kwargs:
+            rkwargs = {}
+            for k, a in kwargs.items():
+                if isinstance(a, Tensor):
+                    a = self._ref(a)
+                elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                    a = [self._ref(x) if isinstance(x, Tensor) else x for x in a]
+                rkwargs[k] = a
         rng = _rng.capture(args, kwargs) if info.seeded and self.preserve_rng else None
         muts = self._writes(info, args, kwargs) if info.writes else None
+
         out = func(*args, **kwargs)
-        index = len(self.ops)
-        rec = OpRecord(func, tuple(rargs), rkwargs, rng)
-        self.ops.append(rec)
-        self.stats.ops_recorded += 1
+
+        ops = self.ops
+        index = len(ops)
         if muts:
             for root, pre in muts:
                 if not root.mutations:
+                    root.mutations = []
                     self.mutated.append(root)
-                root.mutations.append((index, pre))
-        kinds = info.outs
-        state = self.state
+                root.mutations.append((index, pre))  # type: ignore[union-attr]
         if isinstance(out, Tensor):
-            rec.outs = (self._new(out, kinds[0] if kinds else _NEW, info, rargs, index, state),)
+            kind = info.outs[0] if info.outs else _NEW
+            outs: tuple[Node | None, ...] = (
+                (self._new(out, index, None),) if kind == _NEW else (self._out(out, kind, info, rargs, index),)
+            )
         elif isinstance(out, (tuple, list)):
-            nodes: list[Node | None] = []
-            for i, o in enumerate(out):
-                if isinstance(o, Tensor):
-                    kind = kinds[i] if i < len(kinds) else (kinds[0] if kinds else _NEW)
-                    nodes.append(self._new(o, kind, info, rargs, index, state))
-                else:
-                    nodes.append(None)
-            rec.outs = tuple(nodes)
+            kinds = info.outs
+            outs = tuple(
+                self._out(o, kinds[i] if i < len(kinds) else (kinds[0] if kinds else _NEW), info, rargs, index)
+                if isinstance(o, Tensor)
+                else None
+                for i, o in enumerate(out)
+            )
+        else:
+            outs = ()
+        ops.append(OpRecord(func, rargs, rkwargs, rng, outs))
         return out
 
-    def _new(self, t: Tensor, kind: int, info: OpInfo, rargs: list[Any], index: int, state: ThreadState) -> Node | None:
+    def _out(self, t: Tensor, kind: int, info: OpInfo, rargs: list[Any], index: int) -> Node | None:
         if kind == _INPLACE:
             return None
         root = None
@@ -335,11 +369,13 @@ class Region:
                 root = src.root
             elif isinstance(src, ExternalRef):
                 root = src
-        node = Node(index, t, root)
-        node.stats = self.stats
+        return self._new(t, index, root)
+
+    def _new(self, t: Tensor, index: int, root: Group | None) -> Node:
+        node = Node(index, t, root, self.stats)
         if self.debug:
             node.debug_value = t.detach().clone()
-        _registry.register(t, node, self, state)
+        register(t, node, self, self.state)
         return node
 
     # -- lifetime
@@ -349,6 +385,7 @@ class Region:
 
     def close(self, aborted: bool) -> None:
         self.open = False
+        self.stats.ops_recorded += len(self.ops) - self._count_from
         self._ext.clear()
         self._saved_ops.clear()
         for root in self.mutated:
@@ -378,6 +415,6 @@ class RecordingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.bypass or not state.regions:
+        if state.bypass or not state.regions or not _is_grad_enabled():
             return func(*args, **kwargs)
         return state.regions[-1].run(func, args, kwargs)

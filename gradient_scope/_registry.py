@@ -30,7 +30,8 @@ class ThreadState:
         "ident",
         "regions",
         "open_blocks",
-        "live",
+        "born",
+        "died",
         "mode",
         "bypass",
         "busy",
@@ -42,14 +43,21 @@ class ThreadState:
         self.ident = threading.get_ident()
         self.regions: list[Region] = []  # open blocks, innermost last
         self.open_blocks = 0
-        self.live = 0  # block tensors created in this thread and still alive
+        # Block tensors registered by this thread (written by it alone) and those
+        # that died since (written under the lock, from any thread).
+        self.born = 0
+        self.died = 0
         self.mode: Any = None  # our dispatch mode while a block is open
         self.bypass = 0  # >0: our dispatch mode passes ops through (replay, internals)
         self.busy = 0  # >0: inside our pack/unpack hook; never touch the hook stack then
         self.installed = False  # our hook pair may be on this thread's stack
 
+    @property
+    def live(self) -> int:
+        return self.born - self.died
+
     def needed(self) -> bool:
-        return self.open_blocks > 0 or self.live > 0
+        return self.open_blocks > 0 or self.born != self.died
 
 
 _tls = threading.local()
@@ -81,8 +89,8 @@ def _on_death(ref: _Ref) -> None:
         if _LIVE.get(ref.key) is ref:
             del _LIVE[ref.key]
         owner = ref.owner
-        owner.live -= 1
-        unneeded = owner.live == 0 and owner.open_blocks == 0
+        owner.died += 1
+        unneeded = owner.born == owner.died and owner.open_blocks == 0
     if unneeded:
         on_unneeded(owner)
 
@@ -93,14 +101,13 @@ def register(t: torch.Tensor, node: Node, region: Region, owner: ThreadState) ->
     ref.node = node
     ref.region = region
     ref.owner = owner
-    with _lock:
-        old = _LIVE.get(key)
-        if old is not None:
-            # Same tensor seen again (e.g. an op returned an existing tensor):
-            # keep the first record of it.
-            return
-        _LIVE[key] = ref
-        owner.live += 1
+    # Called only from the recording (owner) thread: no lock needed for born.
+    if _LIVE.get(key) is not None:
+        # Same tensor seen again (an op returned an existing tensor): keep the
+        # first record of it.
+        return
+    _LIVE[key] = ref
+    owner.born += 1
 
 
 def lookup(t: torch.Tensor) -> _Ref | None:
@@ -127,8 +134,8 @@ def unregister(nodes: list[Node]) -> None:
             ref = _LIVE.get(node.key)
             if ref is not None and ref.node is node:
                 del _LIVE[node.key]
-                ref.owner.live -= 1
+                ref.owner.died += 1
                 dropped.append(ref.owner)
     for owner in dropped:
-        if owner.live == 0 and owner.open_blocks == 0:
+        if not owner.needed():
             on_unneeded(owner)

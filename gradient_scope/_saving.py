@@ -86,13 +86,14 @@ def _make_handle(
         return None
     v = t._version
     bound = _INF
-    if root.mutations:
-        if region.open:
-            for j, pre in root.mutations:
-                if pre >= v:
-                    bound = j
-                    break
-        elif root.final_version is None or v != root.final_version:
+    if region.open:
+        # Ops recorded from now on (including one whose autograd kernel saves
+        # its argument before writing to it) are not part of this value.
+        bound = len(region.ops)
+        if not root.mutations and v != node.version:
+            return None  # changed by something the block did not record
+    elif root.mutations:
+        if root.final_version is None or v != root.final_version:
             return None  # modified after the block: store it as usual
     elif v != node.version:
         return None

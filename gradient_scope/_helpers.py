@@ -1,0 +1,313 @@
+"""Helpers for models: scope every call of chosen submodules, or of sequential chunks.
+
+:func:`apply_recompute` gives a module a ``forward`` instance attribute: a small
+callable that runs the module's own forward inside a fresh
+:class:`recompute_scope` on each call. It refers to its module through a weak
+reference (no reference cycle: a model still dies as soon as it is dropped) and
+pickles and deep-copies along with the module. :func:`remove_recompute` puts back
+exactly what was there before: no instance attribute (the class's ``forward``
+applies again) or the instance attribute the module had.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import weakref
+from collections.abc import Iterable
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn as nn
+
+from ._scope import recompute_scope
+from .policies import save_any
+
+__all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
+
+M = TypeVar("M", bound=nn.Module)
+
+_SCOPE_OPTIONS = frozenset(
+    name
+    for name, p in inspect.signature(recompute_scope.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``**scope_options`` once, up front; make ``save=`` picklable."""
+    unknown = sorted(set(options) - _SCOPE_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{caller}: unknown recompute_scope option(s) {', '.join(map(repr, unknown))}; "
+            f"the options are {', '.join(sorted(_SCOPE_OPTIONS))}"
+        )
+    options = dict(options)
+    save = options.get("save")
+    if isinstance(save, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        options["save"] = save_any(save)
+    elif save is not None and not callable(save) and isinstance(save, Iterable) and not isinstance(save, (str, bytes)):
+        # A list of ops works as it is, but ops do not pickle: a model with
+        # recompute applied must (the policy pickles them by name).
+        save = list(save)
+        if all(isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for op in save):
+            options["save"] = save_any(*save)
+        else:
+            options["save"] = save
+    recompute_scope(**options)  # raises TypeError/ValueError for invalid values
+    return options
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward`` as it resolves without an instance attribute."""
+    cls = type(module)
+    for klass in cls.__mro__:
+        attr = klass.__dict__.get("forward")
+        if attr is not None:
+            get = getattr(type(attr), "__get__", None)
+            return get(attr, module, cls) if get is not None else attr
+    raise AttributeError(f"{cls.__name__} has no forward")  # pragma: no cover (nn.Module has one)
+
+
+class _ScopedForward:
+    """The ``forward`` instance attribute that :func:`apply_recompute` installs.
+
+    Calls the module's own forward (``original``, the instance attribute it
+    replaced, or else the class's ``forward``) inside a fresh
+    ``recompute_scope(**options)``.
+    """
+
+    __slots__ = ("_module", "original", "options")
+
+    def __init__(self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any]) -> None:
+        self._module = weakref.ref(module)
+        self.original = original
+        self.options = options
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(
+                "gradient_scope: this forward belongs to a module that no longer exists "
+                "(apply_recompute's forward refers to its module weakly)."
+            )
+        return module
+
+    def _forward(self) -> Callable[..., Any]:
+        original = self.original
+        return original if original is not None else _class_forward(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self._forward()
+        with recompute_scope(**self.options):
+            return forward(*args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        # For inspect.signature(module.forward) and friends (computed on access:
+        # storing the bound method would make a reference cycle).
+        return self._forward()
+
+    def __repr__(self) -> str:
+        module = self._module()
+        name = type(module).__name__ if module is not None else "<dead module>"
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"<{name}.forward in recompute_scope({opts})>"
+
+    def __reduce__(self) -> Any:
+        # Pickle/deepcopy with the module: the copy refers to the copied module.
+        return (_rebuild_scoped_forward, (self.module, self.original, self.options))
+
+
+def _rebuild_scoped_forward(
+    module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any]
+) -> _ScopedForward:
+    return _ScopedForward(module, original, options)
+
+
+def _every_module(module: nn.Module) -> bool:
+    return True
+
+
+def apply_recompute(
+    model: M,
+    check_fn: Callable[[nn.Module], bool] = _every_module,
+    **scope_options: Any,
+) -> M:
+    """Run every call of chosen submodules in its own :class:`recompute_scope`.
+
+    For each module in ``model.modules()`` (``model`` itself included) for
+    which ``check_fn(module)`` is true, each call of the module's forward from
+    now on runs in a fresh ``recompute_scope(**scope_options)``: tensors the
+    forward creates are recomputed in backward instead of stored. This is the
+    ``recompute_scope`` counterpart of torch's ``apply_activation_checkpointing``.
+
+    The change is made in place, without wrapper modules: the module gets a
+    ``forward`` instance attribute, and ``state_dict()``, ``named_modules()``,
+    ``parameters()``, ``type(module)`` and the module's hooks are unchanged (the
+    hooks run outside the scope, around it). The model still pickles and
+    deep-copies. Forwards with keyword arguments and with any output (tensors,
+    tuples, dicts, dataclasses, ...) work as they are.
+
+    Applying again does not wrap twice: a module that already runs in a scope
+    keeps one scope, with the options of the latest call. Undo with
+    :func:`remove_recompute`.
+
+    Wrap the modules that repeat and hold most activations (transformer
+    blocks, residual stages); ``check_fn``'s default wraps every module, which
+    is the same as wrapping ``model`` alone (nested scopes record into the
+    outermost one) at a small cost per module call. Apply it after wrappers
+    that replace modules. A shallow copy of a module (``copy.copy``, a
+    ``DataParallel`` replica) shares the original's forward attribute: apply
+    recompute to the copy again.
+
+    Args:
+        model: the module to modify, in place.
+        check_fn: ``check_fn(module) -> bool`` picks the modules to wrap.
+        **scope_options: options of each scope (``save=``,
+            ``preserve_rng_state=``, ``enabled=``, ``debug=``); see
+            :class:`recompute_scope`.
+
+    Returns:
+        ``model``.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, remove_recompute, save_matmuls
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.ln, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 64), nn.Linear(64, 16)
+        ...     def forward(self, x):
+        ...         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+        >>> model = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+        >>> _ = apply_recompute(model, check_fn=lambda m: isinstance(m, Block), save=save_matmuls)
+        >>> model(torch.randn(8, 16)).sum().backward()   # block activations recomputed
+        >>> _ = remove_recompute(model)                   # back to plain forwards
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(check_fn):
+        raise TypeError(
+            "apply_recompute: check_fn must be a callable module -> bool "
+            f"(e.g. lambda m: isinstance(m, Block)), got {type(check_fn).__name__}"
+        )
+    options = _scope_options("apply_recompute", scope_options)
+    chosen = [m for m in model.modules() if check_fn(m)]
+    for module in chosen:
+        current = module.__dict__.get("forward")
+        if isinstance(current, _ScopedForward):
+            if current._module() is module:
+                current.options = dict(options)
+                continue
+            original = current.original  # shared by a shallow copy of another module
+        else:
+            original = current
+        module.__dict__["forward"] = _ScopedForward(module, original, dict(options))
+    return model
+
+
+def remove_recompute(model: M) -> M:
+    """Undo :func:`apply_recompute` on ``model`` and all its submodules.
+
+    Each module's ``forward`` is exactly as before ``apply_recompute``: the
+    instance attribute it installed is removed (or, where the module had a
+    ``forward`` instance attribute of its own, that one is put back). Modules
+    without recompute applied are left alone.
+
+    Returns:
+        ``model``.
+
+    Example::
+
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, remove_recompute
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        >>> _ = apply_recompute(model, check_fn=lambda m: isinstance(m, nn.Linear))
+        >>> "forward" in vars(model[0])
+        True
+        >>> _ = remove_recompute(model)
+        >>> "forward" in vars(model[0])
+        False
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
+    for module in model.modules():
+        current = module.__dict__.get("forward")
+        if isinstance(current, _ScopedForward):
+            if current.original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = current.original
+    return model
+
+
+def recompute_sequential(functions: Any, segments: int, input: Any, **scope_options: Any) -> Any:
+    """Run a sequence of modules/functions in chunks, each but the last in a scope.
+
+    The counterpart of ``torch.utils.checkpoint.checkpoint_sequential``:
+    ``functions`` (an ``nn.Sequential`` or a list of modules/functions) is split
+    into ``segments`` consecutive chunks of ``len(functions) // segments``
+    functions (the last chunk takes the rest). Each function is called with the
+    previous one's output, starting from ``input``. Every chunk but the last
+    runs inside its own ``recompute_scope(**scope_options)``; the last runs
+    plainly, since backward starts with it and would recompute it at once.
+
+    Args:
+        functions: ``nn.Sequential``, ``nn.ModuleList``, or list/tuple of callables.
+        segments: number of chunks, ``1 <= segments <= len(functions)``.
+        input: the input of the first function.
+        **scope_options: options of each scope; see :class:`recompute_scope`.
+
+    Returns:
+        The output of the last function.
+
+    Raises:
+        ValueError: ``segments`` is not an int between 1 and ``len(functions)``.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import recompute_sequential
+        >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8)))
+        >>> x = torch.randn(16, 32, requires_grad=True)
+        >>> out = recompute_sequential(model, segments=4, input=x)   # 3 scopes, 2 layers each
+        >>> out.sum().backward()
+    """
+    if isinstance(functions, (nn.Sequential, nn.ModuleList, list, tuple)):
+        funcs = list(functions)
+    else:
+        raise TypeError(
+            "recompute_sequential: functions must be an nn.Sequential, an nn.ModuleList or a "
+            f"list of modules/functions, got {type(functions).__name__}"
+        )
+    for i, f in enumerate(funcs):
+        if not callable(f):
+            raise TypeError(f"recompute_sequential: functions[{i}] is not callable ({type(f).__name__})")
+    n = len(funcs)
+    try:
+        count = None if isinstance(segments, bool) else operator.index(segments)
+    except TypeError:
+        count = None
+    if count is None or not 1 <= count <= n:
+        raise ValueError(
+            f"recompute_sequential: segments must be an int between 1 and the number of "
+            f"functions ({n}), got {segments!r}"
+        )
+    segments = count
+    options = _scope_options("recompute_sequential", scope_options)
+    size = n // segments
+    x = input
+    end = 0
+    for s in range(segments - 1):
+        start, end = s * size, (s + 1) * size
+        with recompute_scope(**options):
+            for f in funcs[start:end]:
+                x = f(x)
+    for f in funcs[end:]:
+        x = f(x)
+    return x

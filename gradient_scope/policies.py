@@ -1,0 +1,335 @@
+"""Ready-made ``save=`` policies for :class:`~gradient_scope.recompute_scope`.
+
+A save policy tells a scope which operations' outputs to *store* for backward
+instead of recomputing them (selective recompute). The scope calls it once per
+distinct op it sees, with an ``OpOverload`` such as
+``torch.ops.aten.mm.default``; ops for which it returns True run as usual and
+their outputs are kept, and the rest of the block is recomputed from them.
+
+Typical use: keep the expensive matmuls, recompute the cheap elementwise ops
+(GELU, LayerNorm, softmax, dropout, ...) around them::
+
+    from gradient_scope import recompute_scope
+    from gradient_scope.policies import save_matmuls
+
+    with recompute_scope(save=save_matmuls):
+        h = mlp(x)
+
+Policies are plain picklable callables ``policy(op) -> bool``; combine them,
+and add single ops, with :func:`save_any`. Overloads that write to an argument
+(in-place and ``out=`` variants such as ``aten.addmm_`` or ``aten.mm.out``)
+never match the named policies below: their writes are left to the scope to
+record.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any"]
+
+
+# Op names (without the ``aten::`` namespace) matched by the policies. Most
+# users only ever meet the first few: a dispatch-level view of a model sees
+# ``mm``/``addmm``/``bmm`` for ``nn.Linear``/``matmul``/``einsum``, ``convolution``
+# for every ``nn.Conv*d``, and one ``_scaled_dot_product_*attention*`` kernel for
+# ``F.scaled_dot_product_attention``. The composite names (``linear``,
+# ``matmul``, ``conv2d``, ...) are listed so that a policy also says the
+# expected thing when asked about them directly.
+_MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "addbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "matmul",
+        "linear",
+        "bilinear",
+        "einsum",
+        "tensordot",
+        "chain_matmul",
+        "_addmm_activation",
+        "_int_mm",
+        "_scaled_mm",
+        "_scaled_mm_v2",
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+        "_weight_int8pack_mm",
+        "_weight_int4pack_mm",
+        "_weight_int4pack_mm_for_cpu",
+        "_weight_int4pack_mm_with_scales_and_zeros",
+        "_dyn_quant_matmul_4bit",
+        "_mixed_dtypes_linear",
+        "_sparse_semi_structured_linear",
+        "_sparse_semi_structured_mm",
+        "_sparse_semi_structured_addmm",
+        "_cslt_sparse_mm",
+        "mkldnn_linear",
+    }
+)
+
+_CONVOLUTION_OPS = frozenset(
+    {
+        "convolution",
+        "_convolution",
+        "_convolution_mode",
+        "convolution_overrideable",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "conv_tbc",
+        "mkldnn_convolution",
+        "cudnn_convolution",
+        "cudnn_convolution_transpose",
+        "cudnn_convolution_relu",
+        "cudnn_convolution_add_relu",
+        "miopen_convolution",
+        "miopen_convolution_transpose",
+        "miopen_depthwise_convolution",
+        "_slow_conv2d_forward",
+        "slow_conv3d_forward",
+        "slow_conv_dilated2d",
+        "slow_conv_dilated3d",
+        "slow_conv_transpose2d",
+        "slow_conv_transpose3d",
+        "thnn_conv2d",
+        "_conv_depthwise2d",
+        "conv_depthwise3d",
+        "_nnpack_spatial_convolution",
+    }
+)
+
+_ATTENTION_RE = re.compile(r"_?scaled_dot_product_\w*attention\w*")
+_ATTENTION_EXTRA = frozenset(
+    {
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+        "_native_multi_head_attention",
+    }
+)
+
+
+def _aten_name(op: Any) -> str | None:
+    """``"mm"`` for ``torch.ops.aten.mm.default``; None for non-aten ops and for
+    overloads that write to one of their arguments (in-place / ``out=``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is not None:
+        if schema.is_mutable:
+            return None
+        qualified = schema.name
+    else:  # an OpOverloadPacket, if someone asks about one
+        qualified = getattr(op, "_qualified_op_name", None)
+        if not isinstance(qualified, str):
+            return None
+    namespace, sep, name = qualified.partition("::")
+    if not sep or namespace != "aten":
+        return None
+    return name
+
+
+def _is_attention(name: str) -> bool:
+    if name in _ATTENTION_EXTRA:
+        return True
+    return _ATTENTION_RE.fullmatch(name) is not None and not name.endswith("_backward")
+
+
+def save_nothing(op: Any) -> bool:
+    """Store nothing: recompute every tensor the block creates.
+
+    The same as leaving ``save=`` out; useful where a policy must be named
+    (e.g. a config value, or a default in your own helper).
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope import recompute_scope, save_nothing
+        >>> save_nothing(torch.ops.aten.mm.default)
+        False
+        >>> w = torch.randn(8, 8, requires_grad=True)
+        >>> with recompute_scope(save=save_nothing):
+        ...     h = (w @ w).relu()
+        >>> (h * h).sum().backward()
+    """
+    return False
+
+
+def save_attention(op: Any) -> bool:
+    """Store the outputs of fused attention kernels, recompute everything else.
+
+    True for the ``aten._scaled_dot_product_*attention*`` kernels that
+    ``torch.nn.functional.scaled_dot_product_attention`` runs (flash, memory
+    efficient, cuDNN, CPU flash, ...), ``_flash_attention_forward``,
+    ``_efficient_attention_forward`` and ``_native_multi_head_attention``.
+    Attention is the most expensive op of a transformer block to recompute and
+    its output is small (``B x T x C``): storing it and recomputing the rest is
+    a good trade.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> from gradient_scope import recompute_scope, save_attention
+        >>> save_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        True
+        >>> save_attention(torch.ops.aten.mm.default)
+        False
+        >>> q = torch.randn(2, 4, 16, 8, requires_grad=True)
+        >>> with recompute_scope(save=save_attention):
+        ...     y = F.scaled_dot_product_attention(q.sin(), q.cos(), q, is_causal=True)
+        >>> y.sum().backward()
+    """
+    name = _aten_name(op)
+    return name is not None and _is_attention(name)
+
+
+def save_matmuls(op: Any) -> bool:
+    """Store the outputs of matmuls, attention kernels and convolutions.
+
+    True for the matrix-multiply family (``mm``, ``bmm``, ``addmm``,
+    ``baddbmm``, ``addbmm``, ``addmv``, ``mv``, ``dot``, ``matmul``,
+    ``linear``, ``einsum``, the int8/int4/fp8 ``*_mm`` kernels, ...), for the
+    fused attention kernels (see :func:`save_attention`) and for convolutions
+    (``convolution`` and its backend variants). These are the ops that cost
+    FLOPs; the elementwise and normalisation ops between them (GELU,
+    LayerNorm, softmax, dropout, residual adds) are cheap and are recomputed.
+    With ``nn.Linear`` layers this keeps each layer's output and recomputes
+    activations such as ``gelu(fc1(x))`` from it.
+
+    Only ``aten`` ops match, and never an in-place or ``out=`` overload.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import recompute_scope, save_matmuls
+        >>> save_matmuls(torch.ops.aten.addmm.default), save_matmuls(torch.ops.aten.gelu.default)
+        (True, False)
+        >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16))
+        >>> x = torch.randn(4, 16)
+        >>> with recompute_scope(save=save_matmuls):
+        ...     y = mlp(x)     # fc outputs stored; GELU and LayerNorm recomputed
+        >>> y.pow(2).sum().backward()
+    """
+    name = _aten_name(op)
+    if name is None:
+        return False
+    return name in _MATMUL_OPS or name in _CONVOLUTION_OPS or _is_attention(name)
+
+
+# ------------------------------------------------------------------ combining
+
+
+def _op_key(op: Any) -> tuple[str, str | None]:
+    """(qualified name, overload name or None for a packet): a picklable op name."""
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name, op._overloadname
+    return op._qualified_op_name, None
+
+
+def _op_from_key(qualified: str, overload: str | None) -> Any:
+    namespace, _, name = qualified.partition("::")
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+class _SaveAny:
+    """The policy :func:`save_any` returns (picklable: ops are pickled by name)."""
+
+    __slots__ = ("policies", "overloads", "packets")
+
+    def __init__(self, policies: tuple[Callable[[Any], bool], ...], ops: tuple[Any, ...]) -> None:
+        self.policies = policies
+        self.overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
+        self.packets = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverloadPacket))
+
+    def __call__(self, op: Any) -> bool:
+        if op in self.overloads:
+            return True
+        if self.packets and getattr(op, "overloadpacket", op) in self.packets:
+            return True
+        return any(p(op) for p in self.policies)
+
+    def _items(self) -> list[Any]:
+        ops = sorted((*self.packets, *self.overloads), key=str)
+        return [*self.policies, *ops]
+
+    def __repr__(self) -> str:
+        def name(x: Any) -> str:
+            if isinstance(x, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                return f"torch.ops.{x}"
+            return getattr(x, "__qualname__", None) or repr(x)
+
+        return f"save_any({', '.join(name(x) for x in self._items())})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _SaveAny):
+            return NotImplemented
+        return (self.policies, self.overloads, self.packets) == (
+            other.policies,
+            other.overloads,
+            other.packets,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.policies, self.overloads, self.packets))
+
+    def __reduce__(self) -> Any:
+        keys = tuple(sorted(_op_key(op) for op in (*self.packets, *self.overloads)))
+        return (_rebuild_save_any, (self.policies, keys))
+
+
+def _rebuild_save_any(policies: tuple[Any, ...], keys: tuple[tuple[str, str | None], ...]) -> _SaveAny:
+    return _SaveAny(policies, tuple(_op_from_key(*k) for k in keys))
+
+
+def save_any(*items: Any) -> Callable[[Any], bool]:
+    """Combine policies and ops: store an op's outputs if any item says so.
+
+    Each item is a policy (a callable ``op -> bool``, such as
+    :func:`save_matmuls`), an op packet (``torch.ops.aten.gelu``: every
+    overload) or a single overload (``torch.ops.aten.gelu.default``). The
+    result is a policy for ``recompute_scope(save=...)``; it pickles as long as
+    its policies do (ops are pickled by name).
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope import recompute_scope, save_any, save_matmuls
+        >>> policy = save_any(save_matmuls, torch.ops.aten.gelu)
+        >>> policy(torch.ops.aten.gelu.default), policy(torch.ops.aten.mm.default)
+        (True, True)
+        >>> policy(torch.ops.aten.tanh.default)
+        False
+        >>> w = torch.randn(8, 8, requires_grad=True)
+        >>> with recompute_scope(save=policy):
+        ...     h = torch.nn.functional.gelu(w @ w).tanh()   # only tanh is recomputed
+        >>> (h * h).sum().backward()
+    """
+    policies: list[Callable[[Any], bool]] = []
+    ops: list[Any] = []
+    for item in items:
+        if isinstance(item, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            ops.append(item)
+        elif isinstance(item, _SaveAny):
+            policies.extend(item.policies)
+            ops.extend(item.packets)
+            ops.extend(item.overloads)
+        elif callable(item):
+            policies.append(item)
+        else:
+            raise TypeError(
+                "save_any: each item must be a policy (a callable op -> bool) or an op such as "
+                f"torch.ops.aten.mm or torch.ops.aten.mm.default, got {item!r}"
+            )
+    return _SaveAny(tuple(policies), tuple(ops))
