@@ -407,6 +407,10 @@ class Region:
 class RecordingMode(TorchDispatchMode):
     """One per thread while any block is open; records into the innermost block."""
 
+    # Higher-order operators (flex_attention, ...) reach __torch_dispatch__ and
+    # run as they are: their outputs are stored, not recomputed.
+    supports_higher_order_operators = True
+
     def __init__(self, state: ThreadState) -> None:
         super().__init__()
         self.state = state
@@ -415,6 +419,11 @@ class RecordingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.bypass or not state.regions or not _is_grad_enabled():
+        if (
+            state.bypass
+            or not state.regions
+            or not _is_grad_enabled()
+            or isinstance(func, torch._ops.HigherOrderOperator)
+        ):
             return func(*args, **kwargs)
         return state.regions[-1].run(func, args, kwargs)

@@ -241,6 +241,16 @@ def _run(
                 v = env[id(r)] = r.tensor.clone(memory_format=torch.preserve_format)
                 return v
             t = r.tensor
+            if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
+                raise RecomputeError(
+                    f"gradient_scope: cannot recompute the output of {_op_name(func)}: its "
+                    f"input tensor of shape {list(t.shape)} ({t.dtype}), read from outside "
+                    "the recompute_scope, has had its storage freed since forward (FSDP2 "
+                    "frees unsharded parameters after forward). Put the recompute_scope "
+                    "around code that does not read such parameters (e.g. activations "
+                    "only), use fully_shard(..., reshard_after_forward=False), or use "
+                    "torch.utils.checkpoint for that module."
+                )
             if t._version != r.version:
                 raise RecomputeError(
                     f"gradient_scope: cannot recompute the output of {_op_name(func)}: its "

@@ -22,6 +22,7 @@ from ._registry import lookup, thread_state
 __all__ = ["Handle"]
 
 _INF = 1 << 62
+_no_python_dispatch = torch._C._DisableTorchDispatch
 
 
 class Handle:
@@ -46,11 +47,17 @@ class _Plain:
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor, state: Any) -> None:
-        state.bypass += 1  # our dispatch mode must not record this detach
-        try:
-            self.t = t.detach()
-        finally:
-            state.bypass -= 1
+        # Our dispatch mode must not record this detach. For plain tensors skip
+        # Python dispatch altogether (cheap); subclasses must see their detach.
+        if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+            with _no_python_dispatch():
+                self.t = t.detach()
+        else:
+            state.bypass += 1
+            try:
+                self.t = t.detach()
+            finally:
+                state.bypass -= 1
         self.version = t._version
 
     def unpack(self) -> torch.Tensor:
