@@ -8,8 +8,11 @@ needed would pop ours instead of its own. To keep PyTorch's innermost-wins rule
 exactly, this module (and only this module), while any thread has our pair
 installed:
 
-* patches ``saved_tensors_hooks.__exit__`` so that an exit removes that
-  context's own pair from under ours;
+* patches ``torch._C._autograd._pop_saved_tensors_default_hooks`` (which
+  ``saved_tensors_hooks.__exit__`` looks up when it runs, so this also covers
+  contexts entered before our pair was pushed) so that a pop while our pair is
+  on top removes the innermost *other* pair -- the one whose context is
+  exiting, since those exit in LIFO order among themselves -- from under ours;
 * wraps ``torch.autograd.backward`` / ``torch.autograd.grad`` so that our pair
   leaves the stack as soon as backward returns when the last block tensor died
   during backward (the autograd engine restores the thread-local hook stack
@@ -19,6 +22,11 @@ Both are restored exactly when the last thread's pair is removed.
 
 Each pushed pair carries, in its pack callable, the pair directly below it:
 tensors that are not ours are handed on to it exactly as without the scope.
+A pair pushed above another context (a block started inside it) intercepts
+only tensors of blocks started from then on: by the innermost-wins rule, the
+context gets block tensors of blocks that were already open when it was
+entered. (This also keeps torch.utils.checkpoint's count of saved tensors the
+same in forward and in its recomputation.)
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import threading
 from typing import Any, Callable
 
 import torch
-import torch.autograd.graph as _graph
 
 from . import _registry
 from ._registry import ThreadState, thread_state
@@ -50,12 +57,16 @@ unpack_impl: Callable[[Any], torch.Tensor]
 
 
 class Entry:
-    """Our pack hook; one per push. ``below`` is the pair under it, or None."""
+    """Our pack hook; one per push. ``below`` is the pair under it, or None.
 
-    __slots__ = ("below",)
+    With a pair below, only tensors of blocks with serial >= ``serial`` are ours.
+    """
 
-    def __init__(self, below: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
+    __slots__ = ("below", "serial")
+
+    def __init__(self, below: tuple[Callable[..., Any], Callable[..., Any]] | None, serial: int) -> None:
         self.below = below
+        self.serial = serial
 
     def __call__(self, t: torch.Tensor) -> Any:
         return pack_impl(self, t)
@@ -69,10 +80,10 @@ def _is_ours(pair: tuple[Callable[..., Any], Callable[..., Any]] | None) -> bool
     return pair is not None and type(pair[0]) is Entry
 
 
-def _push_ours() -> None:
+def _push_ours(serial: int) -> None:
     top = _top()
     below = top[0].below if _is_ours(top) else top  # type: ignore[union-attr]
-    _push(Entry(below), _unpack)
+    _push(Entry(below, serial), _unpack)
 
 
 def _take_stack() -> list[tuple[Callable[..., Any], Callable[..., Any]]]:
@@ -88,7 +99,9 @@ def _restore_stack(pairs: list[tuple[Callable[..., Any], Callable[..., Any]]]) -
     for pair in pairs:
         if _is_ours(pair):
             if not _is_ours(_top()):
-                _push_ours()  # fresh entry: what is below it may have changed
+                # A fresh entry (what is below may have changed); of adjacent
+                # entries the lowest, which intercepts the most, stands for all.
+                _push_ours(pair[0].serial)  # type: ignore[attr-defined]
         else:
             _push(*pair)
 
@@ -97,24 +110,23 @@ def _restore_stack(pairs: list[tuple[Callable[..., Any], Callable[..., Any]]]) -
 
 _patch_lock = threading.Lock()
 _installed_threads = 0
-_orig_exit = _graph.saved_tensors_hooks.__exit__
 _orig_backward = torch.autograd.backward
 _orig_grad = torch.autograd.grad
 
 
-def _exit_patched(self: _graph.saved_tensors_hooks, *args: object) -> None:
-    top = _top()
-    if not _is_ours(top):
-        _orig_exit(self, *args)
+def _pop_patched() -> None:
+    if not _is_ours(_top()):
+        _pop()
         return
-    # Our pair is on top, so this context's pair is somewhere below it (every
-    # context entered after it has exited already): take it out from under ours.
+    # Our pair is on top, so the context now exiting is the innermost other
+    # one (they exit in LIFO order among themselves): take it from under ours.
     pairs = _take_stack()
     for i in range(len(pairs) - 1, -1, -1):
-        pack, unpack = pairs[i]
-        if pack is self.pack_hook and unpack is self.unpack_hook:
+        if not _is_ours(pairs[i]):
             del pairs[i]
             break
+    else:
+        pairs.pop()  # an unbalanced pop: do what PyTorch would do
     _restore_stack(pairs)
 
 
@@ -135,26 +147,26 @@ def _grad_patched(*args: Any, **kwargs: Any) -> Any:
 
 
 def _install_patches() -> None:
-    _graph.saved_tensors_hooks.__exit__ = _exit_patched  # type: ignore[method-assign]
+    _A._pop_saved_tensors_default_hooks = _pop_patched
     torch.autograd.backward = _backward_patched
     torch.autograd.grad = _grad_patched
 
 
 def _remove_patches() -> None:
-    _graph.saved_tensors_hooks.__exit__ = _orig_exit  # type: ignore[method-assign]
+    _A._pop_saved_tensors_default_hooks = _pop
     torch.autograd.backward = _orig_backward
     torch.autograd.grad = _orig_grad
 
 
 def patches_installed() -> bool:
-    return _graph.saved_tensors_hooks.__exit__ is _exit_patched
+    return _A._pop_saved_tensors_default_hooks is _pop_patched
 
 
 # ---------------------------------------------------------------- lifetime
 
 
-def ensure_on_top(state: ThreadState) -> None:
-    """Make our pair the innermost one in this thread (a block is starting)."""
+def ensure_on_top(state: ThreadState, serial: int) -> None:
+    """Make our pair the innermost one in this thread (block ``serial`` starts)."""
     global _installed_threads
     if not _A._saved_tensors_hooks_is_enabled():
         raise RuntimeError(
@@ -170,7 +182,7 @@ def ensure_on_top(state: ThreadState) -> None:
             _installed_threads += 1
         state.installed = True
     if not _is_ours(_top()):
-        _push_ours()
+        _push_ours(serial)
 
 
 def _safe_to_edit(state: ThreadState) -> bool:

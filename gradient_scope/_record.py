@@ -84,11 +84,12 @@ class Node:
         "final_version",
         "debug_value",
         "stats",
+        "serial",
     )
 
     # No reference to the region: the region holds its nodes (a cycle would keep
     # a block's inputs alive until the garbage collector runs).
-    def __init__(self, op: int, t: Tensor, root: Group | None, stats: ScopeStats) -> None:
+    def __init__(self, op: int, t: Tensor, root: Group | None, stats: ScopeStats, serial: int) -> None:
         self.key = id(t)
         self.op = op
         self.size = t.shape
@@ -101,6 +102,7 @@ class Node:
         self.final_version: int | None = None
         self.debug_value: Tensor | None = None
         self.stats = stats  # of the scope that created it
+        self.serial = serial  # of the block (scope entry) that created it
 
     def describe(self) -> str:
         return f"tensor of shape {list(self.size)} ({self.dtype}, {self.device})"
@@ -191,6 +193,16 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
+def _tensors(rargs: list[Any]) -> list[Tensor]:
+    """The outside tensors among recorded arguments."""
+    out = []
+    for r in rargs:
+        for x in r if isinstance(r, list) else (r,):
+            if isinstance(x, ExternalRef):
+                out.append(x.tensor)
+    return out
+
+
 def _has_tensor(seq: Any) -> bool:
     for x in seq:
         if isinstance(x, Tensor):
@@ -212,8 +224,10 @@ class Region:
         save: Callable[[Any], bool] | None,
         debug: bool,
         stats: ScopeStats,
+        serial: int,
     ) -> None:
         self.state = state
+        self.serial = serial
         self.ops: list[OpRecord] = []
         self.open = True
         self._ext: dict[int, ExternalRef] = {}
@@ -236,20 +250,29 @@ class Region:
         self.closures: dict[Any, frozenset[int]] = {}
 
     def push_frame(
-        self, *, preserve_rng_state: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats
+        self,
+        *,
+        preserve_rng_state: bool,
+        save: Callable[[Any], bool] | None,
+        debug: bool,
+        stats: ScopeStats,
+        serial: int,
     ) -> None:
         n = len(self.ops)
         self.stats.ops_recorded += n - self._count_from  # the enclosing scope's so far
         self._count_from = n
-        self._frames.append((self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, n))
+        self._frames.append((self.preserve_rng, self.save, self.debug, self.stats, self.serial, self._saved_ops, n))
         self.preserve_rng, self.save, self.debug, self.stats = preserve_rng_state, save, debug, stats
+        self.serial = serial
         self._saved_ops = {}
 
     def pop_frame(self, aborted: bool) -> None:
         n = len(self.ops)
         self.stats.ops_recorded += n - self._count_from
         self._count_from = n
-        self.preserve_rng, self.save, self.debug, self.stats, self._saved_ops, start = self._frames.pop()
+        self.preserve_rng, self.save, self.debug, self.stats, self.serial, self._saved_ops, start = (
+            self._frames.pop()
+        )
         if aborted:
             _registry.unregister([n for rec in self.ops[start:] for n in rec.outs if n is not None])
 
@@ -341,6 +364,11 @@ class Region:
                 root.mutations.append((index, pre))  # type: ignore[union-attr]
         if isinstance(out, Tensor):
             kind = info.outs[0] if info.outs else _NEW
+            if kind != _INPLACE:
+                for a in args:
+                    if a is out:  # e.g. lift_fresh returns its input: not a new tensor
+                        kind = _INPLACE
+                        break
             outs: tuple[Node | None, ...] = (
                 (self._new(out, index, None),) if kind == _NEW else (self._out(out, kind, info, rargs, index),)
             )
@@ -358,8 +386,8 @@ class Region:
         return out
 
     def _out(self, t: Tensor, kind: int, info: OpInfo, rargs: list[Any], index: int) -> Node | None:
-        if kind == _INPLACE:
-            return None
+        if kind == _INPLACE or _registry.lookup(t) is not None or any(t is a for a in _tensors(rargs)):
+            return None  # not a new tensor (in-place, or an op that returned an input)
         root = None
         if kind == _VIEW:
             src = rargs[info.view_arg] if info.view_arg < len(rargs) else None
@@ -372,7 +400,7 @@ class Region:
         return self._new(t, index, root)
 
     def _new(self, t: Tensor, index: int, root: Group | None) -> Node:
-        node = Node(index, t, root, self.stats)
+        node = Node(index, t, root, self.stats, self.serial)
         if self.debug:
             node.debug_value = t.detach().clone()
         register(t, node, self, self.state)

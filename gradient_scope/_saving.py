@@ -127,7 +127,7 @@ def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
                 entry = lookup(base)
                 if entry is not None:
                     view = (t.size(), t.stride(), t.storage_offset() - base.storage_offset())
-        if entry is not None:
+        if entry is not None and (hook.below is None or entry.node.serial >= hook.serial):
             h = _make_handle(entry.region, entry.node, t, view)
             if h is not None:
                 return h

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 from typing import Any, Callable, TypeVar, overload
 
@@ -16,6 +17,8 @@ from ._policy import make_save_policy
 __all__ = ["recompute_scope", "recompute"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+_serials = itertools.count(1)  # one per block entered, in entry order
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -98,6 +101,12 @@ class recompute_scope:
             self._region = None  # records nothing: a plain block
             return self
         state = thread_state()
+        serial = next(_serials)
+        try:
+            _interception.ensure_on_top(state, serial)
+        except BaseException:
+            self._active = False
+            raise
         if state.regions:
             # Nested in an open block of this thread: record into its region.
             region = state.regions[-1]
@@ -106,21 +115,18 @@ class recompute_scope:
                 save=self._save,
                 debug=self._options["debug"],
                 stats=self._stats,
+                serial=serial,
             )
             self._region = region
             self._nested = True
             return self
-        try:
-            _interception.ensure_on_top(state)
-        except BaseException:
-            self._active = False
-            raise
         region = Region(
             state,
             preserve_rng_state=self._options["preserve_rng_state"],
             save=self._save,
             debug=self._options["debug"],
             stats=self._stats,
+            serial=serial,
         )
         state.open_blocks += 1
         state.regions.append(region)
