@@ -25,7 +25,7 @@ from ._registry import _LIVE, ThreadState, register
 __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "OpRecord", "RecordingMode"]
 
 Tensor = torch.Tensor
-_is_grad_enabled = torch.is_grad_enabled
+_current_task = torch._C._current_graph_task_id
 
 
 @dataclass
@@ -147,11 +147,13 @@ _NEVER_REPLAY_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autogr
 
 
 class OpInfo:
-    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay")
+    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay", "uninitialized")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
-        self.never_replay = schema.name.split("::", 1)[0] in _NEVER_REPLAY_NAMESPACES
+        namespace, _, name = schema.name.partition("::")
+        self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES
+        self.uninitialized = namespace == "aten" and (name.startswith("empty") or name.startswith("new_empty"))
         self.seeded = _rng.is_seeded(func)
         writes: list[int | str] = []
         sets: dict[str, int] = {}
@@ -228,6 +230,7 @@ class Region:
     ) -> None:
         self.state = state
         self.serial = serial
+        self.task = _current_task()  # the backward pass it was opened in (-1: none)
         self.ops: list[OpRecord] = []
         self.open = True
         self._ext: dict[int, ExternalRef] = {}
@@ -237,6 +240,7 @@ class Region:
         # the autograd graph), with its own options and counters.
         self._frames: list[tuple[Any, ...]] = []
         self._count_from = 0  # ops from here on count for the current scope's stats
+        self._uninitialized = False
         self.preserve_rng = preserve_rng_state
         self.save = save
         self.debug = debug
@@ -317,15 +321,14 @@ class Region:
     # -- the hot path: keep it lean, it runs for every op of every block
 
     def run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.save is not None and self._is_saved(func):
-            # Stored, not recomputed: later ops read its outputs as inputs.
-            return func(*args, **kwargs)
         info = _INFO.get(func)
         if info is None:
             info = op_info(func)
-            if info.never_replay:
-                return func(*args, **kwargs)
-        elif info.never_replay:
+        if info.never_replay or (
+            # Stored, not recomputed: later ops read its outputs as inputs. An op
+            # that writes to an argument is always recorded: its write must replay.
+            self.save is not None and not info.writes and self._is_saved(func)
+        ):
             return func(*args, **kwargs)
         live_get = _LIVE.get
         rargs: list[Any] = []
@@ -356,6 +359,8 @@ class Region:
 
         ops = self.ops
         index = len(ops)
+        # empty/empty_like/... outputs hold garbage: nothing to compare in debug.
+        self._uninitialized = info.uninitialized
         if muts:
             for root, pre in muts:
                 if not root.mutations:
@@ -401,7 +406,7 @@ class Region:
 
     def _new(self, t: Tensor, index: int, root: Group | None) -> Node:
         node = Node(index, t, root, self.stats, self.serial)
-        if self.debug:
+        if self.debug and not self._uninitialized:
             node.debug_value = t.detach().clone()
         register(t, node, self, self.state)
         return node
@@ -447,11 +452,12 @@ class RecordingMode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if (
-            state.bypass
-            or not state.regions
-            or not _is_grad_enabled()
-            or isinstance(func, torch._ops.HigherOrderOperator)
-        ):
+        # Ops under no_grad inside a block are recorded too: an autograd.Function's
+        # forward runs under no_grad, and its outputs are block tensors. Ops of a
+        # backward pass run inside a block that was opened outside it are not.
+        if state.bypass or not state.regions or isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        return state.regions[-1].run(func, args, kwargs)
+        region = state.regions[-1]
+        if region.task != _current_task():
+            return func(*args, **kwargs)
+        return region.run(func, args, kwargs)

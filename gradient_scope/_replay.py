@@ -313,7 +313,7 @@ def _run(
                     env[id(n)] = v
                     if n is target:
                         result = v
-                    elif keep(i) and not n.root.mutations:
+                    if keep(i) and not n.root.mutations:
                         cache[n] = v
             # Drop what no later op of this replay reads.
             for r in list(_inputs(rec)):

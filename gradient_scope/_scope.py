@@ -107,7 +107,7 @@ class recompute_scope:
         except BaseException:
             self._active = False
             raise
-        if state.regions:
+        if state.regions and state.regions[-1].task == torch._C._current_graph_task_id():
             # Nested in an open block of this thread: record into its region.
             region = state.regions[-1]
             region.push_frame(
