@@ -13,6 +13,7 @@ first: replay writes into copies of that snapshot, never into the real tensor
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -52,21 +53,56 @@ class ScopeStats:
     ops_replayed: int = 0  #: operations executed by those passes
 
 
+_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def _alias(t: Tensor) -> Tensor:
+    """``t.detach()`` that shares ``t``'s version counter, also below autograd.
+
+    Inside ``__torch_dispatch__`` the ADInplaceOrView key (which makes detach
+    share the version counter) is excluded; include it for this one call.
+    """
+    if _is_excluded(_INPLACE_OR_VIEW):
+        _set_excluded(_INPLACE_OR_VIEW, False)
+        try:
+            return t.detach()
+        finally:
+            _set_excluded(_INPLACE_OR_VIEW, True)
+    return t.detach()
+
+
 class ExternalRef:
     """A tensor from outside the block, kept alive with the version it was read at.
 
+    ``tensor`` is a detached alias (same storage and version counter, no autograd
+    history): holding the tensor itself could close a reference cycle through
+    the autograd graph (its history may hold this block's handles, e.g. for the
+    output of an op kept by ``save=``) that the garbage collector cannot see.
     ``snapshot`` is True when the block later wrote to the tensor: ``tensor`` is
     then a private copy of its value before that write. ``mutations`` lists the
     block's writes to it (or to block-made views of it).
     """
 
-    __slots__ = ("tensor", "version", "snapshot", "mutations")
+    __slots__ = ("tensor", "source", "version", "snapshot", "mutations")
 
     def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
+        self.tensor = _alias(tensor)
+        self.source = weakref.ref(tensor)  # to recognise the tensor when read again
         self.version = tensor._version
         self.snapshot = False
         self.mutations: list[tuple[int, int]] | tuple[()] = ()
+
+    def take_snapshot(self) -> None:
+        """Replace the tensor by a private copy of its current value."""
+        self.tensor = self.tensor.detach().clone(memory_format=torch.preserve_format)
+        self.snapshot = True
+
+
+def _storage_key(t: Tensor) -> int | None:
+    storage = t.untyped_storage()
+    return storage.data_ptr() if storage.nbytes() else None
 
 
 class Node:
@@ -201,7 +237,9 @@ def _tensors(rargs: list[Any]) -> list[Tensor]:
     for r in rargs:
         for x in r if isinstance(r, list) else (r,):
             if isinstance(x, ExternalRef):
-                out.append(x.tensor)
+                src = x.source()
+                if src is not None:
+                    out.append(src)
     return out
 
 
@@ -234,6 +272,7 @@ class Region:
         self.ops: list[OpRecord] = []
         self.open = True
         self._ext: dict[int, ExternalRef] = {}
+        self._mutated_storages: set[int] = set()  # outside storages the block wrote to
         # Options of the innermost scope recording into this region. A scope
         # nested in an open one records into the same region (two regions
         # reading each other's tensors would form a reference cycle through
@@ -285,8 +324,15 @@ class Region:
     def external(self, t: Tensor) -> ExternalRef:
         key = id(t)
         ext = self._ext.get(key)
-        if ext is None or ext.tensor is not t or ext.version != t._version:
-            ext = self._ext[key] = ExternalRef(t)
+        if ext is None or ext.source() is not t or ext.version != t._version:
+            ext = ExternalRef(t)
+            if self._mutated_storages and _storage_key(t) in self._mutated_storages:
+                # The block wrote to this storage, so the tensor's autograd history
+                # may hold handles of this block: holding the tensor would make a
+                # reference cycle through the graph. Keep a copy of its value.
+                ext.take_snapshot()
+            else:
+                self._ext[key] = ext
         return ext
 
     def _ref(self, t: Tensor) -> Ref:
@@ -304,9 +350,17 @@ class Region:
             ref = self._ref(t)
             root = ref.root if isinstance(ref, Node) else ref
             if isinstance(root, ExternalRef) and not root.snapshot:
-                # Keep the value before the write: replay writes into copies.
-                root.tensor = root.tensor.detach().clone(memory_format=torch.preserve_format)
-                root.snapshot = True
+                # Keep the value before the write (replay writes into copies), and
+                # stop holding anything that shares the storage (see external()).
+                key = _storage_key(root.tensor)
+                if key is not None:
+                    self._mutated_storages.add(key)
+                    for k, e in list(self._ext.items()):
+                        if _storage_key(e.tensor) == key and e.version == e.tensor._version:
+                            e.take_snapshot()
+                            del self._ext[k]
+                if not root.snapshot:
+                    root.take_snapshot()
                 if self._ext.get(id(t)) is root:
                     del self._ext[id(t)]
             muts.append((root, t._version))

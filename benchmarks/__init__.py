@@ -1,0 +1,1 @@
+"""gradient_scope benchmark suite (see benchmarks/README.md)."""

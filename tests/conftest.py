@@ -1,0 +1,347 @@
+"""Shared fixtures and helpers for the gradient_scope black-box suite.
+
+Every gradient test compares a scoped program against the *same* program run without any
+scope (a ``contextlib.nullcontext`` in place of each scope), from the same seed, with
+``torch.equal`` on CPU (no tolerances).  Programs are written as ``program(scope)`` where
+``scope(**options)`` returns a fresh context manager for each region.
+"""
+
+import contextlib
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from gradient_scope import recompute_scope
+
+
+# --------------------------------------------------------------------------------------
+# devices
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available"),
+    ),
+]
+
+
+# --------------------------------------------------------------------------------------
+# global state
+
+
+def top_hooks():
+    """The innermost saved-tensor default hooks of this thread (None when none)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def dispatch_depth():
+    return torch._C._len_torch_dispatch_stack()
+
+
+def global_state():
+    return {
+        "saved_tensors_hooks": top_hooks(),
+        "dispatch_stack_len": dispatch_depth(),
+        "dispatch_mode": _get_current_dispatch_mode(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "autocast_cpu_dtype": torch.get_autocast_dtype("cpu"),
+    }
+
+
+# State at the start of the current test.  Normally hooks None / no dispatch mode; if an
+# earlier test leaked an interception, comparing against this baseline (instead of None)
+# keeps that one failure from cascading into every later test.
+_BASELINE = {}
+
+
+def baseline_hooks():
+    """The saved-tensor hooks that were on top when the current test started (None)."""
+    return _BASELINE.get("saved_tensors_hooks")
+
+
+def assert_interception_gone(before=None):
+    """No saved-tensor hooks and no dispatch mode left behind (checked without gc):
+    the state is that of ``before`` (default: the start of the test)."""
+    before = before if before is not None else _BASELINE
+    now = global_state()
+    assert now["saved_tensors_hooks"] == before["saved_tensors_hooks"], (
+        f"saved-tensor hooks still active: {now['saved_tensors_hooks']}"
+    )
+    assert now == before, f"global state changed:\nbefore={before}\nnow={now}"
+
+
+@pytest.fixture(autouse=True)
+def _global_state_restored():
+    """Catch-all: whatever a test does, PyTorch's global state is as before afterwards
+    (once its locals are gone; gc is allowed here, the strict no-gc checks live in the
+    tests themselves)."""
+    before = global_state()
+    _BASELINE.clear()
+    _BASELINE.update(before)
+    yield
+    after = global_state()
+    if after != before:  # give reference cycles a chance before calling it a leak
+        gc.collect()
+        after = global_state()
+    assert after == before, f"test left global state changed:\nbefore={before}\nafter={after}"
+
+
+# --------------------------------------------------------------------------------------
+# scope factories
+
+
+class PlainScopes:
+    """Stand-in for Scopes: every region is a no-op block (the ground-truth program)."""
+
+    real = False
+
+    def __init__(self):
+        self.created = []
+
+    def __call__(self, **options):
+        return contextlib.nullcontext()
+
+
+class Scopes:
+    """Returns a fresh ``recompute_scope(**options)`` per region and remembers them
+    (so tests can read ``.stats``)."""
+
+    real = True
+
+    def __init__(self, **options):
+        self.options = options
+        self.created = []
+
+    def __call__(self, **options):
+        s = recompute_scope(**{**self.options, **options})
+        self.created.append(s)
+        return s
+
+
+# --------------------------------------------------------------------------------------
+# comparisons
+
+
+def assert_same(actual, expected, name="tensor"):
+    assert isinstance(actual, torch.Tensor), f"{name}: got {type(actual)}"
+    assert isinstance(expected, torch.Tensor), f"{name}: expected is {type(expected)}"
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.device == expected.device, f"{name}: {actual.device} != {expected.device}"
+    if actual.device.type == "cpu":
+        if not torch.equal(actual, expected):
+            diff = (actual.double() - expected.double()).abs()
+            diff = diff[~torch.isnan(diff)]
+            worst = diff.max().item() if diff.numel() else float("nan")
+            raise AssertionError(f"{name}: not bitwise equal to the plain program (max |diff| {worst})")
+    else:
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{name}: {m}")
+
+
+def assert_all_same(actual, expected):
+    """Compare two dicts (or lists) of tensors / None / plain values."""
+    if isinstance(expected, dict):
+        assert set(actual) == set(expected)
+        items = [(k, actual[k], expected[k]) for k in expected]
+    else:
+        assert len(actual) == len(expected)
+        items = [(str(i), a, e) for i, (a, e) in enumerate(zip(actual, expected))]
+    for name, a, e in items:
+        if isinstance(e, torch.Tensor):
+            assert_same(a, e, name)
+        elif isinstance(e, (list, tuple)) and e and isinstance(e[0], torch.Tensor):
+            assert len(a) == len(e), name
+            for i, (ai, ei) in enumerate(zip(a, e)):
+                assert_same(ai, ei, f"{name}[{i}]")
+        else:
+            assert a == e, f"{name}: {a!r} != {e!r}"
+
+
+def run_both(program, seed=0, **options):
+    """Run ``program(scope)`` with real scopes and without, from the same seed; assert
+    all returned tensors are equal.  Returns the Scopes object of the scoped run and its
+    result."""
+    scopes = Scopes(**options)
+    torch.manual_seed(seed)
+    actual = program(scopes)
+    torch.manual_seed(seed)
+    expected = program(PlainScopes())
+    assert_all_same(actual, expected)
+    return scopes, actual
+
+
+def grads(named):
+    """{name: grad} for a dict of name -> tensor (or module)."""
+    out = {}
+    for name, t in named.items():
+        if isinstance(t, nn.Module):
+            for pn, p in t.named_parameters():
+                out[f"{name}.{pn}.grad"] = p.grad
+        else:
+            out[f"{name}.grad"] = t.grad
+    for k, v in out.items():
+        assert v is not None, f"{k} is None: backward did not reach it"
+    return out
+
+
+def stat(scope, field):
+    """Read a field of ``scope.stats`` (attribute or mapping access)."""
+    st = scope.stats
+    if isinstance(st, dict):
+        return st[field]
+    return getattr(st, field)
+
+
+def stats(scope):
+    return {f: stat(scope, f) for f in ("ops_recorded", "tensors_packed", "bytes_packed", "replays", "ops_replayed")}
+
+
+def dead(*refs):
+    return all(r() is None for r in refs)
+
+
+# --------------------------------------------------------------------------------------
+# saved-tensor hooks that record what they receive
+
+
+class RecordingHooks(torch.autograd.graph.saved_tensors_hooks):
+    """A foreign saved_tensors_hooks pair recording the shape of every packed tensor, and
+    any pack/unpack that happens while its ``with`` is not open (pack only)."""
+
+    def __init__(self):
+        self.packed = []
+        self.unpacked = 0
+        self.packed_while_closed = []
+        self.is_open = False
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t):
+        shape = tuple(t.shape)
+        if not self.is_open:
+            self.packed_while_closed.append(shape)
+        self.packed.append(shape)
+        return (shape, t.detach())
+
+    def _unpack(self, packed):
+        self.unpacked += 1
+        return packed[1]
+
+    def __enter__(self):
+        self.is_open = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.is_open = False
+
+    @property
+    def shapes(self):
+        return set(self.packed)
+
+
+# --------------------------------------------------------------------------------------
+# models
+
+
+class MLP(nn.Module):
+    """Linear -> GELU (in a scope) -> Linear -> tanh -> Linear (second act. also scoped)."""
+
+    def __init__(self, d_in=12, d_hidden=24, d_out=5):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_hidden)
+        self.fc3 = nn.Linear(d_hidden, d_out)
+        self.probes = []  # weakrefs to block-created tensors of the last forward
+
+    def forward(self, x, scope):
+        self.probes = []
+        h = self.fc1(x)
+        with scope():
+            h = F.gelu(h)
+        self.probes.append(weakref.ref(h))
+        with scope():
+            h2 = torch.tanh(self.fc2(h))
+        self.probes.append(weakref.ref(h2))
+        return self.fc3(h2)
+
+
+class Layer(nn.Module):
+    """Pre-LN transformer layer, causal attention written out by hand.
+
+    mode: "inner"  -- scopes around attention probs and around the MLP activation
+          "outer"  -- one scope around the whole layer
+          "both"   -- outer scope with the inner ones nested in it
+    """
+
+    def __init__(self, d=16, heads=2, ff=32, mode="inner"):
+        super().__init__()
+        self.d, self.heads, self.mode = d, heads, mode
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, ff)
+        self.fc2 = nn.Linear(ff, d)
+        self.probes = []
+
+    def _inner(self, scope):
+        return scope() if self.mode in ("inner", "both") else contextlib.nullcontext()
+
+    def _outer(self, scope):
+        return scope() if self.mode in ("outer", "both") else contextlib.nullcontext()
+
+    def forward(self, x, scope):
+        self.probes = []
+        with self._outer(scope):
+            out = self._body(x, scope)
+        return out
+
+    def _body(self, x, scope):
+        B, T, D = x.shape
+        H = self.heads
+        h = self.ln1(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q = q.view(B, T, H, D // H).transpose(1, 2)
+        k = k.view(B, T, H, D // H).transpose(1, 2)
+        v = v.view(B, T, H, D // H).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D // H))
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+        att = att.masked_fill(mask, float("-inf"))
+        with self._inner(scope):
+            probs = att.softmax(dim=-1)
+        self.probes.append(weakref.ref(probs))
+        o = (probs @ v).transpose(1, 2).reshape(B, T, D)
+        x = x + self.proj(o)
+        a = self.fc1(self.ln2(x))
+        with self._inner(scope):
+            a = F.gelu(a)
+        self.probes.append(weakref.ref(a))
+        return x + self.fc2(a)
+
+
+class Transformer(nn.Module):
+    def __init__(self, d=16, n_layers=2, vocab_out=7, mode="inner"):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(d=d, mode=mode) for _ in range(n_layers)])
+        self.head = nn.Linear(d, vocab_out)
+
+    def forward(self, x, scope):
+        for layer in self.layers:
+            x = layer(x, scope)
+        return self.head(x)  # F.linear on 3-D input
+
+    def probes(self):
+        return [r for layer in self.layers for r in layer.probes]

@@ -1,0 +1,141 @@
+"""torch.compile and scopes: a compiled function called inside a scope, and a scope inside
+a compiled function.  Gradients must equal the plain (no-scope) program compiled the same
+way: bitwise for backend="eager"; for "aot_eager" and the default inductor backend the
+scoped and plain programs are not the same compiled graphs (Dynamo runs the code under an
+open block eagerly, see below; aot_eager's decompositions and inductor's fused kernels
+round differently from eager kernels), so there they must be within float tolerance of
+the plain compiled program and of plain eager.
+
+Observed on torch 2.13 CPU: Dynamo does not compile a frame while a TorchDispatchMode is
+active (the scope's recording mode while a block is open), and remembers that: a compiled
+function first called inside a block runs eagerly, then and later.  A scope inside a
+compiled function causes graph breaks around the scope's code.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gradient_scope import recompute_scope
+from conftest import grads
+from _interop import clean_stacks, repair_hook_stack  # noqa: F401
+
+BACKENDS = ["eager", "aot_eager", "inductor"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compare(backend, actual, expected, eager=None):
+    for k in expected:
+        a, e = actual[k], expected[k]
+        if backend != "eager":
+            torch.testing.assert_close(a, e, msg=lambda m: f"{k}: {m}")
+            if eager is not None:
+                torch.testing.assert_close(a, eager[k], msg=lambda m: f"{k} vs eager: {m}")
+        else:
+            assert torch.equal(a, e), f"{k}: not bitwise equal to the plain compiled program"
+
+
+def run(program, backend, scoped):
+    torch._dynamo.reset()  # each run compiles afresh (Dynamo caches skipped frames)
+    torch.manual_seed(0)
+    return program(scoped, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_fn_inside_scope(backend, clean_stacks):
+    def f(x, w):
+        return torch.tanh(x @ w) * x.sum(dim=1, keepdim=True)
+
+    def program(scoped, backend):
+        cf = torch.compile(f, backend=backend) if backend else f
+        x, w, c = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True),
+                   torch.randn(4, 5, requires_grad=True))
+        with recompute_scope() if scoped else contextlib.nullcontext():
+            h = x.sin()
+            y = cf(h, w)  # compiled code inside the block
+            k = y.exp()
+        z = (k * c + y * h).sum()
+        del h, y, k
+        z.backward()
+        return dict(z=z.detach(), **grads(dict(x=x, w=w, c=c)))
+
+    expected = run(program, backend, False)
+    actual = run(program, backend, True)
+    compare(backend, actual, expected, eager=run(program, None, False))
+    del actual, expected
+    clean_stacks()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scope_inside_compiled_fn(backend, clean_stacks):
+    def make(scoped):
+        def g(x, w, c):
+            with recompute_scope() if scoped else contextlib.nullcontext():
+                h = (x @ w).sin()
+                k = F.gelu(h) * h
+            return (k * c).exp() * h
+
+        return g
+
+    def program(scoped, backend):
+        g = make(scoped)
+        cg = torch.compile(g, backend=backend) if backend else g
+        x, w, c = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True),
+                   torch.randn(4, 5, requires_grad=True))
+        y = cg(x, w, c)
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(x=x, w=w, c=c)))
+
+    expected = run(program, backend, False)
+    actual = run(program, backend, True)
+    compare(backend, actual, expected, eager=run(program, None, False))
+    del actual, expected
+    clean_stacks()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_module_training_with_scopes(backend, clean_stacks):
+    class Net(torch.nn.Module):
+        def __init__(self, scoped):
+            super().__init__()
+            self.scoped = scoped
+            self.fc1 = torch.nn.Linear(6, 12)
+            self.fc2 = torch.nn.Linear(12, 6)
+            self.fc3 = torch.nn.Linear(6, 2)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            with recompute_scope() if self.scoped else contextlib.nullcontext():
+                a = F.gelu(h)
+                a = F.dropout(a, 0.2, self.training)
+            return self.fc3(torch.tanh(self.fc2(a)) * x)
+
+    def program(scoped, backend):
+        net = Net(scoped)
+        model = torch.compile(net, backend=backend)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            x = torch.randn(5, 6)
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        out = {f"loss{i}": l for i, l in enumerate(losses)}
+        out.update({n: p.detach().clone() for n, p in net.named_parameters()})
+        return out
+
+    expected = run(program, backend, False)
+    actual = run(program, backend, True)
+    compare(backend, actual, expected)
+    del actual, expected
+    clean_stacks()

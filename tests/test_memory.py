@@ -1,0 +1,422 @@
+"""Block-created tensors die after forward (weakrefs, no gc.collect()), and scope.stats."""
+
+import weakref
+
+import pytest
+import torch
+
+from gradient_scope import recompute_scope
+from conftest import (
+    Transformer,
+    assert_interception_gone,
+    dead,
+    grads,
+    run_both,
+    stat,
+    stats,
+)
+
+
+def test_plain_autograd_keeps_the_tensor_alive():
+    """Sanity check of the premise of this file: without a scope, autograd keeps x."""
+    a = torch.randn(5, requires_grad=True)
+    c = torch.randn(5, requires_grad=True)
+    x = a + 1
+    ref = weakref.ref(x)
+    y = x * c
+    del x
+    assert ref() is not None
+    del y
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        lambda x, c: x * c,
+        lambda x, c: x.exp() * x * c,
+        lambda x, c: x.sin().sum() * c,
+        lambda x, c: x.view(-1, 1).t() * c,
+        lambda x, c: torch.tanh(x).pow(2) + c,
+        lambda x, c: (x[::2] * c[:3]).repeat(2).sigmoid(),
+    ],
+    ids=["mul", "exp_mul", "sin", "view_t", "tanh_pow", "slice_sigmoid"],
+)
+def test_block_tensor_dies_after_forward(after):
+    def program(scope):
+        a = torch.randn(6, requires_grad=True)
+        b = torch.randn(6, requires_grad=True)
+        c = torch.randn(6, requires_grad=True)
+        with scope():
+            x = (a + b).cos()
+        ref = weakref.ref(x)
+        y = after(x, c)
+        del x
+        if scope.real:
+            assert ref() is None, "block-created tensor kept alive while the graph of y lives"
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, b=b, c=c)))
+
+    run_both(program)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda a, i: a[:, i],  # aten.index.Tensor: indices are a list of optional tensors
+        lambda a, i: a.index_select(1, i),
+        lambda a, i: a.gather(1, i.expand(4, 6)),
+        lambda a, i: a[:, i.clamp(max=3)].exp(),
+    ],
+    ids=["index", "index_select", "gather", "index_exp"],
+)
+def test_block_created_index_tensor_released(index):
+    def program(scope):
+        a = torch.randn(4, 6, requires_grad=True)
+        c = torch.randn(4, 6, requires_grad=True)
+        with scope():
+            idx = torch.arange(5, -1, -1)
+            x = index(a, idx)
+        refs = [weakref.ref(idx), weakref.ref(x)]
+        del idx
+        y = x * c[:, : x.shape[1]]
+        del x
+        if scope.real:
+            assert dead(*refs), [r() is None for r in refs]
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, c=c)))
+
+    run_both(program)
+    assert_interception_gone()
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda a: a[:, [3, 1, 0, 2]],  # the list becomes a tensor literal inside the block
+        lambda a: a[:, torch.tensor([3, 1, 0, 2])],
+        lambda a: a * torch.tensor([0.5, 1.0, 2.0, 4.0]),
+        lambda a: a * 2 + torch.tensor(1.5),
+    ],
+    ids=["list_index", "tensor_index", "tensor_mul", "scalar_tensor"],
+)
+def test_tensor_literal_in_block_released(use):
+    """torch.tensor(...) inside a block (aten.lift_fresh) is a block tensor like any other:
+    once everything made in the block is gone, so is the interception."""
+
+    def program(scope):
+        a = torch.randn(4, 4, requires_grad=True)
+        c = torch.randn(4, 4, requires_grad=True)
+        with scope():
+            x = use(a).sin()
+        y = x * c
+        ref = weakref.ref(x)
+        del x
+        if scope.real:
+            assert ref() is None
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, c=c)))
+
+    run_both(program)
+    assert_interception_gone()
+
+
+class _Capture(torch.autograd.Function):
+    """Saves its input; backward records a weakref to the value it got back."""
+
+    refs = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        _Capture.refs.append(weakref.ref(x))
+        return g * 2 + x * 0
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_recomputed_value_released_after_backward(retain_graph):
+    _Capture.refs.clear()
+    a = torch.randn(1000, requires_grad=True)
+    s = recompute_scope()
+    with s:
+        x = torch.tanh(a) * 3
+    y = _Capture.apply(x)
+    del x
+    y.sum().backward(retain_graph=retain_graph)
+    assert stat(s, "replays") >= 1
+    assert len(_Capture.refs) == 1
+    assert _Capture.refs[0]() is None, "recomputed value kept after backward consumed it"
+    if retain_graph:
+        y.sum().backward()  # a later pass recomputes again
+        assert stat(s, "replays") >= 2
+        assert _Capture.refs[1]() is None
+    del y
+    assert_interception_gone()
+
+
+def test_block_intermediates_die_at_block_exit():
+    a = torch.randn(8, requires_grad=True)
+    refs = []
+    with recompute_scope():
+        h1 = a.exp()  # exp saves its output
+        h2 = torch.tanh(h1)  # saves its output
+        h3 = h2 * h1  # saves both
+        out = h3.sigmoid()
+        refs = [weakref.ref(t) for t in (h1, h2, h3)]
+        del h1, h2, h3
+    assert dead(*refs)
+    out.sum().backward()
+    assert a.grad is not None
+    del out
+    assert_interception_gone()
+
+
+def test_product_of_two_scoped_factors():
+    """f1() * f2(): each factor made in its own scope; neither is kept alive."""
+
+    def program(scope):
+        a = torch.randn(7, requires_grad=True)
+        b = torch.randn(7, requires_grad=True)
+        refs = []
+
+        def f1():
+            with scope():
+                t = a.sin() * 2
+            refs.append(weakref.ref(t))
+            return t
+
+        def f2():
+            with scope():
+                t = b.exp() - a
+            refs.append(weakref.ref(t))
+            return t
+
+        y = f1() * f2()
+        if scope.real:
+            assert len(refs) == 2 and dead(*refs), "a scoped factor is kept alive by mul"
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, b=b)))
+
+    scopes, _ = run_both(program)
+    s1, s2 = scopes.created
+    assert stat(s1, "tensors_packed") >= 1 and stat(s2, "tensors_packed") >= 1
+    assert stat(s1, "replays") >= 1 and stat(s2, "replays") >= 1
+
+
+def test_nested_scopes():
+    def program(scope):
+        a = torch.randn(5, requires_grad=True)
+        b = torch.randn(5, requires_grad=True)
+        c = torch.randn(5, requires_grad=True)
+        with scope():
+            u = a.sin() * 2
+            with scope():
+                v = b.cos() * 3
+                vv = v.exp()
+            w = u * vv
+        y = w * c
+        refs = [weakref.ref(t) for t in (u, v, vv, w)]
+        del u, v, vv, w
+        if scope.real:
+            assert dead(*refs)
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, b=b, c=c)))
+
+    scopes, _ = run_both(program)
+    outer, inner = scopes.created
+    assert stat(outer, "tensors_packed") >= 1
+    assert stat(inner, "tensors_packed") >= 1
+
+
+def test_nested_inner_reads_outer_tensor():
+    def program(scope):
+        a = torch.randn(5, requires_grad=True)
+        c = torch.randn(5, requires_grad=True)
+        with scope():
+            u = a.sin() * 2
+            with scope():
+                v = (u * a).exp()
+            w = torch.tanh(v + u)
+        y = w * c
+        refs = [weakref.ref(t) for t in (v, w)]
+        del u, v, w
+        if scope.real:
+            assert dead(*refs)
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(a=a, c=c)))
+
+    run_both(program)
+
+
+def test_exp_of_block_tensor_after_block_no_leak():
+    """z = w.exp() after the block saves z (not block-created) while interception is on:
+    z and w must both die on del, with y's graph alive, without gc."""
+
+    def program(scope):
+        a = torch.randn(9, requires_grad=True)
+        with scope():
+            w = a.sin() * 2
+        z = w.exp()
+        loss = z.sum()
+        refs = [weakref.ref(z), weakref.ref(w)]
+        del z, w
+        if scope.real:
+            assert dead(*refs), "exp's saved output (or the block tensor) leaked"
+        loss.backward()
+        return dict(loss=loss.detach(), **grads(dict(a=a)))
+
+    run_both(program)
+    assert_interception_gone()
+
+
+def test_everything_released_without_gc():
+    """After a step the graph is gone: block tensors, outputs and the inputs the scope
+    needed for replay are all freed by refcounting alone, and interception is gone."""
+
+    def step():
+        a = torch.randn(16, requires_grad=True)
+        c = torch.randn(16, requires_grad=True)
+        with recompute_scope():
+            x = torch.tanh(a * 3)
+            e = x.exp()
+        y = e * c + x
+        refs = [weakref.ref(t) for t in (a, c, x, e, y)]
+        del x, e
+        y.sum().backward()
+        return refs
+
+    refs = step()
+    assert dead(*refs), [r() is None for r in refs]
+    assert_interception_gone()
+
+
+def test_graph_dropped_without_backward():
+    a = torch.randn(16, requires_grad=True)
+    with recompute_scope():
+        x = a.exp()
+    y = x * a
+    refs = [weakref.ref(x), weakref.ref(y)]
+    del x, y
+    assert dead(*refs)
+    assert_interception_gone()
+
+
+@pytest.mark.parametrize("mode", ["inner", "outer", "both"])
+def test_train_step_three_times(mode):
+    def program(scope):
+        model = Transformer(mode=mode)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for step in range(3):
+            x = torch.randn(2, 6, 16)
+            opt.zero_grad(set_to_none=True)
+            out = model(x, scope)
+            probes = model.probes()
+            assert len(probes) == 4
+            if scope.real:
+                assert dead(*probes), f"step {step}: block tensors alive after forward"
+            loss = out.pow(2).mean()
+            del out
+            loss.backward()
+            losses.append(loss.detach())
+            del loss
+            if scope.real:
+                assert_interception_gone()
+            opt.step()
+        return dict(losses=losses, params=[p.detach().clone() for p in model.parameters()])
+
+    run_both(program)
+
+
+def test_stats_simple():
+    s = recompute_scope()
+    a = torch.randn(100, requires_grad=True)
+    b = torch.randn(100, requires_grad=True)
+    c = torch.randn(100, requires_grad=True)
+    with s:
+        x = a + b
+    nbytes = x.numel() * x.element_size()
+    y = x * c
+    del x
+    st = stats(s)
+    assert st["ops_recorded"] >= 1
+    assert st["tensors_packed"] >= 1
+    assert st["bytes_packed"] >= nbytes
+    assert st["replays"] == 0 and st["ops_replayed"] == 0, "nothing replayed before backward"
+    y.sum().backward(retain_graph=True)
+    st1 = stats(s)
+    assert st1["replays"] >= 1
+    assert 1 <= st1["ops_replayed"] <= st1["ops_recorded"]
+    y.sum().backward()
+    st2 = stats(s)
+    assert st2["replays"] > st1["replays"]
+    assert st1["ops_replayed"] < st2["ops_replayed"] <= 2 * st2["ops_recorded"]
+    assert st2["ops_recorded"] == st["ops_recorded"]
+    assert torch.equal(c.grad, 2 * (a + b).detach())
+
+
+def test_stats_bytes_scale_with_size():
+    def packed(n):
+        s = recompute_scope()
+        a = torch.randn(n, requires_grad=True)
+        with s:
+            x = a.sin()
+        y = x * a
+        del x, y
+        return stat(s, "bytes_packed")
+
+    small, large = packed(10), packed(10_000)
+    assert small >= 40 and large >= 40_000
+    assert large > small
+
+
+def test_stats_transformer_replays_bounded():
+    model = Transformer(mode="outer")
+    scopes = []
+
+    def scope():
+        scopes.append(recompute_scope())
+        return scopes[-1]
+
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    loss = model(x, scope).pow(2).mean()
+    before = [stats(s) for s in scopes]
+    loss.backward()
+    for s, b in zip(scopes, before):
+        st = stats(s)
+        assert b["replays"] == 0
+        assert st["ops_recorded"] > 10 and st["tensors_packed"] >= 2
+        assert st["replays"] >= 1
+        assert 1 <= st["ops_replayed"] <= st["ops_recorded"], st
+
+
+def test_no_grad_records_nothing():
+    a = torch.randn(5, requires_grad=True)
+    c = torch.randn(5, requires_grad=True)
+    s = recompute_scope()
+    with torch.no_grad():
+        with s:
+            x = a.sin() * 2
+    assert stat(s, "ops_recorded") == 0
+    assert_interception_gone()  # even though x is alive
+    y = x * c  # saved as usual
+    y.sum().backward()
+    assert stat(s, "tensors_packed") == 0
+    assert torch.equal(c.grad, (a.detach().sin() * 2))
+
+
+def test_inference_mode_records_nothing():
+    a = torch.randn(5)
+    s = recompute_scope()
+    with torch.inference_mode():
+        with s:
+            x = a.sin() * 2
+            y = torch.tanh(x)
+        assert stat(s, "ops_recorded") == 0
+    assert y.is_inference()
+    assert torch.equal(y, torch.tanh(a.sin() * 2))
+    assert_interception_gone()
