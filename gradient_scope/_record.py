@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _registry, _rng
 from ._registry import _LIVE, ThreadState, register
 
-__all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "OpRecord", "RecordingMode"]
+__all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "MetaRef", "OpRecord", "RecordingMode"]
 
 Tensor = torch.Tensor
 _current_task = torch._C._current_graph_task_id
@@ -51,6 +51,22 @@ class ScopeStats:
     bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
     replays: int = 0  #: recomputation passes run
     ops_replayed: int = 0  #: operations executed by those passes
+
+
+class MetaRef:
+    """An argument of which the op reads only metadata (``empty_like(x)``): replay
+    passes a fresh uninitialised tensor of that shape instead of recomputing x."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: Tensor) -> None:
+        self.size = t.shape
+        self.stride = t.stride()
+        self.dtype = t.dtype
+        self.device = t.device
+
+    def empty(self) -> Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
 
 _INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
@@ -183,13 +199,19 @@ _NEVER_REPLAY_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autogr
 
 
 class OpInfo:
-    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay", "uninitialized")
+    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay", "uninitialized", "meta_only")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         namespace, _, name = schema.name.partition("::")
         self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES
         self.uninitialized = namespace == "aten" and (name.startswith("empty") or name.startswith("new_empty"))
+        # Factories that read only the metadata of their first argument.
+        self.meta_only = namespace == "aten" and (
+            name in ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like")
+            or name.startswith("randint_like")
+            or name in ("new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full")
+        )
         self.seeded = _rng.is_seeded(func)
         writes: list[int | str] = []
         sets: dict[str, int] = {}
@@ -397,6 +419,8 @@ class Region:
                 rargs.append([self._ref(x) if isinstance(x, Tensor) else x for x in a])
             else:
                 rargs.append(a)
+        if info.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
+            rargs[0] = MetaRef(args[0])
         rkwargs = kwargs
         if kwargs:
             rkwargs = {}

@@ -20,7 +20,7 @@ import torch
 
 from . import _rng
 from ._errors import RecomputeError
-from ._record import ExternalRef, Node, Region
+from ._record import ExternalRef, MetaRef, Node, Region
 from ._registry import live_tensor, thread_state
 
 if TYPE_CHECKING:
@@ -87,32 +87,46 @@ def _closure(region: Region, node: Node, bound: int, available: Any = None) -> s
     return need
 
 
+def _applied(root: Node | ExternalRef, bound: int) -> int:
+    """How many of a storage group's recorded writes come before op ``bound``."""
+    k = 0
+    for j, _pre in root.mutations:
+        if j >= bound:
+            break
+        k += 1
+    return k
+
+
 class _Pass:
-    """Replay state of one block within one backward pass."""
+    """Replay state of one block within one backward pass.
+
+    ``cache`` holds values that still-packed handles will ask for: their own
+    values (keyed by node and number of writes applied to its storage group)
+    and the values their remaining replay reads (the frontier). ``holds`` says
+    which cache entries each pending handle keeps; an entry is dropped when
+    no pending handle keeps it.
+    """
 
     def __init__(self, region: Region, task: int) -> None:
         self.task = task
-        self.cache: dict[Node, torch.Tensor] = {}
-        self.counts: dict[int, int] = {}
-        self.needs: dict[Any, set[int] | frozenset[int]] = {}
-        for h in list(region.handles or ()):
-            ops = _memo_closure(region, h.node, h.bound)
-            self.needs[h] = ops
-            for i in ops:
-                self.counts[i] = self.counts.get(i, 0) + 1
+        self.cache: dict[tuple[Node, int], torch.Tensor] = {}
+        self.refs: dict[tuple[Node, int], int] = {}
+        self.holds: dict[Any, list[tuple[Node, int]]] = {}
+        self.pending: set[Any] = set(region.handles or ())
 
-    def release(self, region: Region, h: Handle) -> None:
-        ops = self.needs.pop(h, None)
-        if not ops:
-            return
-        counts = self.counts
-        for i in ops:
-            c = counts[i] - 1
-            counts[i] = c
-            if c == 0:
-                for n in region.ops[i].outs:
-                    if n is not None:
-                        self.cache.pop(n, None)
+    def hold(self, h: Handle, key: tuple[Node, int]) -> None:
+        self.holds.setdefault(h, []).append(key)
+        self.refs[key] = self.refs.get(key, 0) + 1
+
+    def serve(self, h: Handle) -> None:
+        self.pending.discard(h)
+        for key in self.holds.pop(h, ()):
+            c = self.refs[key] - 1
+            if c:
+                self.refs[key] = c
+            else:
+                del self.refs[key]
+                self.cache.pop(key, None)
 
 
 def _memo_closure(region: Region, node: Node, bound: int) -> set[int] | frozenset[int]:
@@ -163,29 +177,62 @@ def _replay(region: Region, h: Handle) -> torch.Tensor:
                     lambda: _end_pass(region, task)
                 )
         node = h.node
-        unmutated = not node.root.mutations
-        if ps is not None and unmutated:
-            cached = ps.cache.get(node)
+        key = (node, _applied(node.root, h.bound))
+        if ps is not None:
+            cached = ps.cache.get(key)
             if cached is not None:
-                ps.release(region, h)
+                ps.serve(h)
                 return cached
-
         cache = ps.cache if ps is not None else {}
 
         def available(n: Node) -> bool:
-            if n in cache:
+            if not n.root.mutations and (n, 0) in cache:
                 return True
             t = live_tensor(n)
-            return t is not None and t._version == n.version
+            return t is not None and t._version == n.version and not n.root.mutations
 
         plan = sorted(_closure(region, node, h.bound, available))
         if ps is None:
-            return _run(region, plan, node, cache, lambda i: False)
-        own = ps.needs.get(h, ())
-        counts = ps.counts
-        # Keep what other still-packed handles of this block will need.
-        value = _run(region, plan, node, cache, lambda i: counts.get(i, 0) > (i in own))
-        ps.release(region, h)
+            return _run(region, plan, node, cache, {}, {})
+        # What the other pending handles will ask for: their own values if this
+        # replay makes them, and the values of this replay that their own
+        # replays would read.
+        plan_set = set(plan)
+        targets: dict[Node, list[Handle]] = {}
+        frontier: dict[Node, list[Handle]] = {}
+        ops = region.ops
+        for h2 in ps.pending:
+            if h2 is h:
+                continue
+            n2 = h2.node
+            key2 = (n2, _applied(n2.root, h2.bound))
+            if key2 in cache:
+                continue
+            if n2.op in plan_set:
+                targets.setdefault(n2, []).append(h2)
+                continue
+            for i in _memo_closure(region, n2, h2.bound):
+                if i in plan_set:
+                    continue
+                for r in _inputs(ops[i]):
+                    if isinstance(r, Node) and r.op in plan_set and not r.root.mutations:
+                        frontier.setdefault(r, []).append(h2)
+        produced: dict[Node, torch.Tensor] = {}
+        value = _run(region, plan, node, cache, targets.keys() | frontier.keys(), produced)
+        ps.serve(h)
+        for n, v in produced.items():
+            k = 0
+            for j, _pre in n.root.mutations:
+                if j in plan_set:
+                    k += 1
+            for h2 in targets.get(n, ()):
+                if _applied(n.root, h2.bound) == k:
+                    ps.hold(h2, (n, k))
+                    cache[(n, k)] = v
+            if not n.root.mutations:
+                for h2 in frontier.get(n, ()):
+                    ps.hold(h2, (n, 0))
+                    cache[(n, 0)] = v
         return value
 
 
@@ -222,9 +269,12 @@ def _run(
     region: Region,
     plan: list[int],
     target: Node,
-    cache: dict[Node, torch.Tensor],
+    cache: dict[tuple[Node, int], torch.Tensor],
     keep: Any,
+    produced: dict[Node, torch.Tensor],
 ) -> torch.Tensor:
+    """Run ``plan``; return ``target``'s value and put the values of ``keep`` nodes
+    (as they stand at the end, for groups written to) into ``produced``."""
     ops = region.ops
     last_use: dict[int, int] = {}
     for i in plan:
@@ -260,7 +310,7 @@ def _run(
                     "a block read until backward has run, or pass a clone into the block."
                 )
             return t
-        v = cache.get(r)
+        v = cache.get((r, 0)) if not r.root.mutations else None
         if v is None:
             t = live_tensor(r)
             if t is None or t._version != r.version:
@@ -277,6 +327,8 @@ def _run(
         for a in args:
             if isinstance(a, (Node, ExternalRef)):
                 out.append(value_of(a, func))
+            elif isinstance(a, MetaRef):
+                out.append(a.empty())
             elif isinstance(a, list):
                 out.append([value_of(x, func) if isinstance(x, (Node, ExternalRef)) else x for x in a])
             else:
@@ -313,8 +365,8 @@ def _run(
                     env[id(n)] = v
                     if n is target:
                         result = v
-                    if keep(i) and not n.root.mutations:
-                        cache[n] = v
+                    if n in keep:
+                        produced[n] = v
             # Drop what no later op of this replay reads.
             for r in list(_inputs(rec)):
                 if last_use.get(id(r)) == i and r is not target:
