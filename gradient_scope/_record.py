@@ -21,12 +21,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registry, _rng
-from ._registry import _LIVE, ThreadState, register
+from ._registry import _LIVE, ThreadState, _on_death, _Ref, register
 
 __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "MetaRef", "OpRecord", "RecordingMode"]
 
 Tensor = torch.Tensor
 _current_task = torch._C._current_graph_task_id
+_OpOverload = torch._ops.OpOverload
 
 
 @dataclass
@@ -133,8 +134,6 @@ class Node:
         "version",
         "root",
         "mutations",
-        "final_version",
-        "debug_value",
         "stats",
         "serial",
     )
@@ -151,8 +150,6 @@ class Node:
         self.root: Group = self if root is None else root
         # (op index, version before) of each write to this storage group; on roots.
         self.mutations: list[tuple[int, int]] | tuple[()] = ()
-        self.final_version: int | None = None
-        self.debug_value: Tensor | None = None
         self.stats = stats  # of the scope that created it
         self.serial = serial  # of the block (scope entry) that created it
 
@@ -199,7 +196,7 @@ _NEVER_REPLAY_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autogr
 
 
 class OpInfo:
-    __slots__ = ("seeded", "writes", "outs", "view_arg", "never_replay", "uninitialized", "meta_only")
+    __slots__ = ("seeded", "writes", "outs", "out0", "view_arg", "never_replay", "uninitialized", "meta_only")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -240,6 +237,7 @@ class OpInfo:
                 for s in ai.before_set:
                     view_arg = sets.get(s, 0)
         self.outs = tuple(kinds)
+        self.out0 = kinds[0] if kinds else _NEW
         self.view_arg = view_arg
 
 
@@ -295,13 +293,14 @@ class Region:
         self.open = True
         self._ext: dict[int, ExternalRef] = {}
         self._mutated_storages: set[int] = set()  # outside storages the block wrote to
+        self.final_versions: dict[Node, int | None] = {}  # of written groups, at block exit
+        self.debug_values: dict[Node, Tensor] = {}  # debug=True: what forward computed
         # Options of the innermost scope recording into this region. A scope
         # nested in an open one records into the same region (two regions
         # reading each other's tensors would form a reference cycle through
         # the autograd graph), with its own options and counters.
         self._frames: list[tuple[Any, ...]] = []
         self._count_from = 0  # ops from here on count for the current scope's stats
-        self._uninitialized = False
         self.preserve_rng = preserve_rng_state
         self.save = save
         self.debug = debug
@@ -437,8 +436,6 @@ class Region:
 
         ops = self.ops
         index = len(ops)
-        # empty/empty_like/... outputs hold garbage: nothing to compare in debug.
-        self._uninitialized = info.uninitialized
         if muts:
             for root, pre in muts:
                 if not root.mutations:
@@ -446,15 +443,25 @@ class Region:
                     self.mutated.append(root)
                 root.mutations.append((index, pre))  # type: ignore[union-attr]
         if isinstance(out, Tensor):
-            kind = info.outs[0] if info.outs else _NEW
+            kind = info.out0
             if kind != _INPLACE:
                 for a in args:
                     if a is out:  # e.g. lift_fresh returns its input: not a new tensor
                         kind = _INPLACE
                         break
-            outs: tuple[Node | None, ...] = (
-                (self._new(out, index, None),) if kind == _NEW else (self._out(out, kind, info, rargs, index),)
-            )
+            if kind == _NEW and not self.debug:
+                # The common case, inlined: a fresh tensor (version 0).
+                node = Node(index, out, None, self.stats, self.serial)
+                key = node.key
+                if key not in _LIVE:
+                    ref = _Ref(out, _on_death)
+                    ref.node = node
+                    ref.region = self
+                    _LIVE[key] = ref
+                    self.state.born += 1
+                outs: tuple[Node | None, ...] = (node,)
+            else:
+                outs = (self._out(out, kind, info, rargs, index),)
         elif isinstance(out, (tuple, list)):
             kinds = info.outs
             outs = tuple(
@@ -480,12 +487,13 @@ class Region:
                 root = src.root
             elif isinstance(src, ExternalRef):
                 root = src
-        return self._new(t, index, root)
+        return self._new(t, index, root, info)
 
-    def _new(self, t: Tensor, index: int, root: Group | None) -> Node:
+    def _new(self, t: Tensor, index: int, root: Group | None, info: OpInfo) -> Node:
         node = Node(index, t, root, self.stats, self.serial)
-        if self.debug and not self._uninitialized:
-            node.debug_value = t.detach().clone()
+        # empty/empty_like/... outputs hold garbage: nothing to compare in debug.
+        if self.debug and not info.uninitialized:
+            self.debug_values[node] = t.detach().clone()
         register(t, node, self, self.state)
         return node
 
@@ -501,7 +509,7 @@ class Region:
         self._saved_ops.clear()
         for root in self.mutated:
             if isinstance(root, Node):
-                root.final_version = self._current_version(root)
+                self.final_versions[root] = self._current_version(root)
         if aborted:
             # Tensors of a block that raised are ordinary tensors from now on.
             _registry.unregister(self.nodes())
@@ -533,9 +541,10 @@ class RecordingMode(TorchDispatchMode):
         # Ops under no_grad inside a block are recorded too: an autograd.Function's
         # forward runs under no_grad, and its outputs are block tensors. Ops of a
         # backward pass run inside a block that was opened outside it are not.
-        if state.bypass or not state.regions or isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        region = state.regions[-1]
+        regions = state.regions
+        if state.bypass or not regions or type(func) is not _OpOverload:
+            return func(*args, **kwargs)  # also higher-order operators: stored
+        region = regions[-1]
         if region.task != _current_task():
             return func(*args, **kwargs)
         return region.run(func, args, kwargs)

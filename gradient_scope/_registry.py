@@ -76,7 +76,7 @@ def thread_state() -> ThreadState:
 class _Ref(weakref.ref):
     """Weak reference to a block tensor, with what the pack hook needs of it."""
 
-    __slots__ = ("key", "node", "region", "owner")
+    __slots__ = ("node", "region")
 
 
 _LIVE: dict[int, _Ref] = {}
@@ -86,9 +86,10 @@ def _on_death(ref: _Ref) -> None:
     if _lock is None:  # interpreter shutdown: module globals are gone
         return
     with _lock:
-        if _LIVE.get(ref.key) is ref:
-            del _LIVE[ref.key]
-        owner = ref.owner
+        key = ref.node.key
+        if _LIVE.get(key) is ref:
+            del _LIVE[key]
+        owner = ref.region.state
         owner.died += 1
         unneeded = owner.born == owner.died and owner.open_blocks == 0
     if unneeded:
@@ -97,10 +98,9 @@ def _on_death(ref: _Ref) -> None:
 
 def register(t: torch.Tensor, node: Node, region: Region, owner: ThreadState) -> None:
     ref = _Ref(t, _on_death)
-    ref.key = key = id(t)
+    key = id(t)
     ref.node = node
     ref.region = region
-    ref.owner = owner
     # Called only from the recording (owner) thread: no lock needed for born.
     if _LIVE.get(key) is not None:
         # Same tensor seen again (an op returned an existing tensor): keep the
@@ -134,8 +134,8 @@ def unregister(nodes: list[Node]) -> None:
             ref = _LIVE.get(node.key)
             if ref is not None and ref.node is node:
                 del _LIVE[node.key]
-                ref.owner.died += 1
-                dropped.append(ref.owner)
+                ref.region.state.died += 1
+                dropped.append(ref.region.state)
     for owner in dropped:
         if not owner.needed():
             on_unneeded(owner)

@@ -249,8 +249,8 @@ def _check(region: Region, func: Any, node: Node, value: Any) -> None:
             f"{node.describe()}. The op does not replay faithfully; keep its output with "
             "save=[...] or move it out of the recompute_scope."
         )
-    if node.debug_value is not None:
-        ref = node.debug_value
+    ref = region.debug_values.get(node) if region.debug_values else None
+    if ref is not None:
         same = (
             torch.equal(value, ref)
             if value.device.type == "cpu"

@@ -100,7 +100,8 @@ def _make_handle(
         if not root.mutations and v != node.version:
             return None  # changed by something the block did not record
     elif root.mutations:
-        if root.final_version is None or v != root.final_version:
+        final = region.final_versions.get(root)
+        if final is None or v != final:
             return None  # modified after the block: store it as usual
     elif v != node.version:
         return None
