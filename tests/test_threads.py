@@ -232,3 +232,36 @@ def test_thread_forward_while_other_thread_backward(clean_stacks):
 
     run_both_clean(program)
     clean_stacks()
+
+
+def test_forward_thread_after_other_thread_dropped_last_tensor(clean_stacks):
+    """API.md wants the interception gone once the last block tensor dies. When it dies
+    in another thread, nothing can edit this thread's (thread-local) hook stack, so our
+    pair stays -- inert, and torch.func refuses to run (NOTES.md) -- until this thread's
+    next safe point (entering a scope here), after which everything is clean. This test
+    pins down that documented limitation."""
+    hooks0 = top_hooks()
+    a, b = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    with recompute_scope():
+        h = (a @ b).exp()
+    holder = [h, (h * b).sum()]
+    del h
+
+    def work():
+        holder[1].backward()
+        holder.clear()
+
+    in_thread(work)
+    assert top_hooks() != hooks0  # the pair is still on this thread's stack ...
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    z = y.sin()
+    y.add_(1)  # ... but inert: PyTorch's in-place check still fires
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    with recompute_scope():  # a safe point of this thread
+        pass
+    assert top_hooks() == hooks0
+    g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
+    assert torch.equal(g, torch.ones(3).cos())
+    clean_stacks()
