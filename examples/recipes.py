@@ -29,7 +29,6 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
 
 from gradient_scope import apply_recompute, recompute_scope, save_matmuls
 
@@ -141,50 +140,9 @@ RECIPES = {
 }
 
 
-# ------------------------------------------------------------------ memory probe
-#
-# As in quickstart.py: the profiler (profile_memory=True) logs every CPU allocation
-# (+nbytes) and free (-nbytes); summing them in time order gives the bytes allocated
-# since it started at every moment.  held = level at the end of forward (what autograd
-# keeps for backward, plus the scalar loss), peak = highest level in forward + backward.
-
-
-def profile_memory(forward, backward):
-    """Run ``out = forward(); backward(out)``; return ``(out, held, peak)`` in bytes."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("recipes.forward"):
-            out = forward()
-        backward(out)
-    events = prof.profiler.kineto_results.events()
-    fwd_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == "recipes.forward")
-    deltas = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type().name == "CPU"
-    )
-    level = held = peak = 0
-    for t, nbytes in deltas:
-        level += nbytes
-        peak = max(peak, level)
-        if t <= fwd_end:
-            held = level
-    return out, held, peak
-
-
-def check_memory_probe():
-    """Validate the probe on a known pattern before trusting it with the model."""
-    MiB = 2**20
-
-    def forward():  # allocate three 1 MiB tensors, keep two
-        a, b, c = (torch.empty(MiB, dtype=torch.uint8) for _ in range(3))
-        return [a, b]
-
-    def backward(kept):  # free the two, then allocate 1.5 MiB
-        kept.clear()
-        torch.empty(MiB + MiB // 2, dtype=torch.uint8)
-
-    _, held, peak = profile_memory(forward, backward)
-    assert (held, peak) == (2 * MiB, 3 * MiB), f"memory probe is off: held={held} peak={peak}"
+# The memory probe (CPU profiler, validated on a known allocation pattern) is the
+# quickstart's: run this file from the repository root or from examples/.
+from quickstart import check_memory_probe, profile_memory  # noqa: E402
 
 
 # ------------------------------------------------------------------------ training
