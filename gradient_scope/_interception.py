@@ -51,9 +51,13 @@ def _top() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     return _A._top_saved_tensors_default_hooks(False)
 
 
+def _not_ready(*args: Any) -> Any:
+    raise RuntimeError("gradient_scope: _saving was not imported")
+
+
 # Set by _saving: (entry, tensor) -> packed object, and packed -> tensor.
-pack_impl: Callable[[Entry, torch.Tensor], Any]
-unpack_impl: Callable[[Any], torch.Tensor]
+pack_impl: Callable[[Entry, torch.Tensor], Any] = _not_ready
+unpack_impl: Callable[[Any], torch.Tensor] = _not_ready
 
 
 class Entry:

@@ -345,7 +345,7 @@ def _run(
             kwargs = dict(zip(rec.kwargs, build(list(rec.kwargs.values()), func))) if rec.kwargs else {}
             try:
                 if rec.rng is not None:
-                    out = _rng.replay_with_state(rec.rng, lambda: func(*args, **kwargs))
+                    out = _rng.replay_with_state(rec.rng, func, args, kwargs)
                 else:
                     out = func(*args, **kwargs)
             except RecomputeError:

@@ -53,12 +53,15 @@ def capture(
     return gen, gen.get_state()
 
 
-def replay_with_state(rng: tuple[torch.Generator, torch.Tensor], fn: Any) -> Any:
-    """Run ``fn()`` with the generator set to the captured state, then restore it."""
+def replay_with_state(
+    rng: tuple[torch.Generator, torch.Tensor], func: Any, args: Any, kwargs: dict[str, Any]
+) -> Any:
+    """Run ``func(*args, **kwargs)`` with the generator set to the captured state,
+    then restore the generator's ambient state."""
     gen, state = rng
     ambient = gen.get_state()
     gen.set_state(state)
     try:
-        return fn()
+        return func(*args, **kwargs)
     finally:
         gen.set_state(ambient)
