@@ -507,20 +507,22 @@ class Region:
         self.stats.ops_recorded += len(self.ops) - self._count_from
         self._ext.clear()
         self._saved_ops.clear()
-        for root in self.mutated:
-            if isinstance(root, Node):
-                self.final_versions[root] = self._current_version(root)
+        if self.mutated:
+            # The version each written group has at block exit, read off any live
+            # member (views share their base's counter); None if all are dead.
+            final = self.final_versions
+            for root in self.mutated:
+                if isinstance(root, Node):
+                    final[root] = None
+            for n in self.nodes():
+                root = n.root
+                if root in final and final[root] is None:
+                    t = _registry.live_tensor(n)
+                    if t is not None:
+                        final[root] = t._version
         if aborted:
             # Tensors of a block that raised are ordinary tensors from now on.
             _registry.unregister(self.nodes())
-
-    def _current_version(self, root: Node) -> int | None:
-        for n in self.nodes():
-            if n.root is root:
-                t = _registry.live_tensor(n)
-                if t is not None:
-                    return t._version
-        return None
 
 
 class RecordingMode(TorchDispatchMode):
