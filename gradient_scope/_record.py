@@ -12,6 +12,7 @@ first: replay writes into copies of that snapshot, never into the real tensor
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "MetaRef", "OpRecord",
 Tensor = torch.Tensor
 _current_task = torch._C._current_graph_task_id
 _OpOverload = torch._ops.OpOverload
+_NO_KWARGS: dict[str, Any] = {}  # shared, never written
 
 
 @dataclass
@@ -161,17 +163,18 @@ Group = Union[Node, ExternalRef]
 Ref = Union[Node, ExternalRef]
 
 
-class OpRecord:
-    __slots__ = ("func", "args", "kwargs", "outs", "rng")
+class OpRecord(tuple):  # type: ignore[type-arg]
+    """One recorded op: ``(func, args, kwargs, rng, outs)``. A tuple: cheap to make."""
 
-    def __init__(
-        self, func: Any, args: list[Any], kwargs: dict[str, Any], rng: Any, outs: tuple[Node | None, ...]
-    ) -> None:
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.rng = rng
-        self.outs = outs
+    __slots__ = ()
+    func = property(operator.itemgetter(0))
+    args = property(operator.itemgetter(1))
+    kwargs = property(operator.itemgetter(2))
+    rng = property(operator.itemgetter(3))
+    outs = property(operator.itemgetter(4))
+
+
+_new_record = tuple.__new__
 
 
 # ------------------------------------------------------------------ op facts
@@ -196,7 +199,17 @@ _NEVER_REPLAY_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autogr
 
 
 class OpInfo:
-    __slots__ = ("seeded", "writes", "outs", "out0", "view_arg", "never_replay", "uninitialized", "meta_only")
+    __slots__ = (
+        "seeded",
+        "writes",
+        "outs",
+        "out0",
+        "view_arg",
+        "never_replay",
+        "uninitialized",
+        "meta_only",
+        "simple",
+    )
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -238,6 +251,10 @@ class OpInfo:
                     view_arg = sets.get(s, 0)
         self.outs = tuple(kinds)
         self.out0 = kinds[0] if kinds else _NEW
+        # Most ops: one fresh output, no writes, no randomness (the fast path).
+        self.simple = (
+            kinds == [_NEW] and not writes and not self.seeded and not self.never_replay and not self.meta_only
+        )
         self.view_arg = view_arg
 
 
@@ -472,7 +489,7 @@ class Region:
             )
         else:
             outs = ()
-        ops.append(OpRecord(func, rargs, rkwargs, rng, outs))
+        ops.append(_new_record(OpRecord, (func, rargs, rkwargs, rng, outs)))
         return out
 
     def _out(self, t: Tensor, kind: int, info: OpInfo, rargs: list[Any], index: int) -> Node | None:
@@ -549,4 +566,40 @@ class RecordingMode(TorchDispatchMode):
         region = regions[-1]
         if region.task != _current_task():
             return func(*args, **kwargs)
-        return region.run(func, args, kwargs)
+        info = _INFO.get(func)
+        if info is None or not info.simple or kwargs or region.save is not None or region.debug:
+            return region.run(func, args, kwargs)
+        # The fast path (most ops), inlined: positional arguments, one fresh output.
+        live_get = _LIVE.get
+        rargs: list[Any] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                entry = live_get(id(a))
+                if entry is not None and entry.region is region and entry() is a:
+                    rargs.append(entry.node)
+                else:
+                    rargs.append(region.external(a))
+            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                rargs.append([region._ref(x) if isinstance(x, Tensor) else x for x in a])
+            else:
+                rargs.append(a)
+        out = func(*args)
+        ops = region.ops
+        index = len(ops)
+        outs: tuple[Node, ...] = ()
+        if isinstance(out, Tensor):
+            for a in args:
+                if a is out:
+                    break
+            else:
+                node = Node(index, out, None, region.stats, region.serial)
+                key = node.key
+                if key not in _LIVE:
+                    ref = _Ref(out, _on_death)
+                    ref.node = node
+                    ref.region = region
+                    _LIVE[key] = ref
+                    state.born += 1
+                outs = (node,)
+        ops.append(_new_record(OpRecord, (func, rargs, _NO_KWARGS, None, outs)))
+        return out
