@@ -169,9 +169,9 @@ def check_memory_probe():
 # ------------------------------------------------------------------------ training
 
 
-def train(recompute: bool) -> dict:
-    torch.manual_seed(SEED)  # same weights, same data, same dropout masks in both runs
-    model = GPT(recompute)
+def train(make_model) -> dict:
+    torch.manual_seed(SEED)  # same weights, same data, same dropout masks in every run
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     tokens = torch.randint(VOCAB, (STEPS, BATCH, CONTEXT + 1))  # synthetic data
     result = {"times": [], "losses": []}
@@ -197,7 +197,7 @@ def train(recompute: bool) -> dict:
 
 def main():
     check_memory_probe()
-    runs = {"plain": train(recompute=False), "scoped": train(recompute=True)}
+    runs = {"plain": train(lambda: GPT(recompute=False)), "scoped": train(lambda: GPT(recompute=True))}
 
     MiB = 2**20
     print(f"GPT: {N_LAYER} layers, d={D_MODEL}, {N_HEAD} heads, batch {BATCH} x {CONTEXT} tokens")

@@ -24,7 +24,6 @@ Run:  python examples/recipes.py
 import contextlib
 import math
 import statistics
-import time
 
 import torch
 import torch.nn as nn
@@ -142,36 +141,10 @@ RECIPES = {
 
 # The memory probe (CPU profiler, validated on a known allocation pattern) is the
 # quickstart's: run this file from the repository root or from examples/.
-from quickstart import check_memory_probe, profile_memory  # noqa: E402
+from quickstart import check_memory_probe, train  # noqa: E402
 
 
 # ------------------------------------------------------------------------ training
-
-
-def train(make_model) -> dict:
-    torch.manual_seed(SEED)  # same weights, same data, same dropout masks in every run
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    tokens = torch.randint(VOCAB, (STEPS, BATCH, CONTEXT + 1))  # synthetic data
-    result = {"times": [], "losses": []}
-    for step in range(STEPS):
-        x, y = tokens[step, :, :-1].contiguous(), tokens[step, :, 1:].contiguous()
-        opt.zero_grad(set_to_none=True)
-        if step == 0:  # profiled step: memory and first gradients, not timed
-            loss, result["held"], result["peak"] = profile_memory(
-                lambda: model(x, y), lambda loss: loss.backward()
-            )
-            result["grads"] = [p.grad.clone() for p in model.parameters()]
-            opt.step()
-        else:
-            t0 = time.perf_counter()
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            result["times"].append(time.perf_counter() - t0)
-        result["losses"].append(loss.item())
-        del loss
-    return result
 
 
 def main():

@@ -379,6 +379,23 @@ class Region:
             return entry.node
         return self.external(t)
 
+    def refs(self, args: tuple[Any, ...]) -> list[Any]:
+        """The recorded form of positional arguments: nodes, outside refs, values."""
+        live_get = _LIVE.get
+        rargs: list[Any] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                entry = live_get(id(a))
+                if entry is not None and entry.region is self and entry() is a:
+                    rargs.append(entry.node)
+                else:
+                    rargs.append(self.external(a))
+            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                rargs.append([self._ref(x) if isinstance(x, Tensor) else x for x in a])
+            else:
+                rargs.append(a)
+        return rargs
+
     def _writes(self, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, int]]:
         muts: list[tuple[Group, int]] = []
         for w in info.writes:
@@ -422,19 +439,7 @@ class Region:
             self.save is not None and not info.writes and self._is_saved(func)
         ):
             return func(*args, **kwargs)
-        live_get = _LIVE.get
-        rargs: list[Any] = []
-        for a in args:
-            if isinstance(a, Tensor):
-                entry = live_get(id(a))
-                if entry is not None and entry.region is self and entry() is a:
-                    rargs.append(entry.node)
-                else:
-                    rargs.append(self.external(a))
-            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
-                rargs.append([self._ref(x) if isinstance(x, Tensor) else x for x in a])
-            else:
-                rargs.append(a)
+        rargs = self.refs(args)
         if info.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
             rargs[0] = MetaRef(args[0])
         rkwargs = kwargs
@@ -570,19 +575,7 @@ class RecordingMode(TorchDispatchMode):
         if info is None or not info.simple or kwargs or region.save is not None or region.debug:
             return region.run(func, args, kwargs)
         # The fast path (most ops), inlined: positional arguments, one fresh output.
-        live_get = _LIVE.get
-        rargs: list[Any] = []
-        for a in args:
-            if isinstance(a, Tensor):
-                entry = live_get(id(a))
-                if entry is not None and entry.region is region and entry() is a:
-                    rargs.append(entry.node)
-                else:
-                    rargs.append(region.external(a))
-            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
-                rargs.append([region._ref(x) if isinstance(x, Tensor) else x for x in a])
-            else:
-                rargs.append(a)
+        rargs = region.refs(args)
         out = func(*args)
         ops = region.ops
         index = len(ops)
