@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registry, _rng
-from ._registry import _LIVE, ThreadState, _on_death, _Ref, register
+from ._registry import _LIVE, ThreadState, register
 
 __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "MetaRef", "OpRecord", "RecordingMode"]
 
@@ -471,19 +471,7 @@ class Region:
                     if a is out:  # e.g. lift_fresh returns its input: not a new tensor
                         kind = _INPLACE
                         break
-            if kind == _NEW and not self.debug:
-                # The common case, inlined: a fresh tensor (version 0).
-                node = Node(index, out, None, self.stats, self.serial)
-                key = node.key
-                if key not in _LIVE:
-                    ref = _Ref(out, _on_death)
-                    ref.node = node
-                    ref.region = self
-                    _LIVE[key] = ref
-                    self.state.born += 1
-                outs: tuple[Node | None, ...] = (node,)
-            else:
-                outs = (self._out(out, kind, info, rargs, index),)
+            outs: tuple[Node | None, ...] = (self._out(out, kind, info, rargs, index),)
         elif isinstance(out, (tuple, list)):
             kinds = info.outs
             outs = tuple(
@@ -586,13 +574,7 @@ class RecordingMode(TorchDispatchMode):
                     break
             else:
                 node = Node(index, out, None, region.stats, region.serial)
-                key = node.key
-                if key not in _LIVE:
-                    ref = _Ref(out, _on_death)
-                    ref.node = node
-                    ref.region = region
-                    _LIVE[key] = ref
-                    state.born += 1
+                register(out, node, region, state)
                 outs = (node,)
         ops.append(_new_record(OpRecord, (func, rargs, _NO_KWARGS, None, outs)))
         return out

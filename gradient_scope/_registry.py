@@ -97,16 +97,16 @@ def _on_death(ref: _Ref) -> None:
 
 
 def register(t: torch.Tensor, node: Node, region: Region, owner: ThreadState) -> None:
-    ref = _Ref(t, _on_death)
     key = id(t)
-    ref.node = node
-    ref.region = region
-    # Called only from the recording (owner) thread: no lock needed for born.
-    if _LIVE.get(key) is not None:
+    if key in _LIVE:
         # Same tensor seen again (an op returned an existing tensor): keep the
         # first record of it.
         return
+    ref = _Ref(t, _on_death)
+    ref.node = node
+    ref.region = region
     _LIVE[key] = ref
+    # Called only from the recording (owner) thread: no lock needed for born.
     owner.born += 1
 
 
