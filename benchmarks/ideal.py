@@ -47,7 +47,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BlockAccounting", "storage_key", "normalize_policy"]
+__all__ = ["BlockAccounting", "storage_key"]
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -56,20 +56,6 @@ def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     if n == 0:
         return None
     return s.data_ptr(), n
-
-
-def normalize_policy(save: Any) -> Callable[[Any], bool] | None:
-    """``save=`` as the scope takes it (None, ops, or a callable) -> ``op -> bool``."""
-    if save is None:
-        return None
-    if isinstance(save, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        save = [save]
-    if callable(save):
-        return save
-    ops = list(save)
-    overloads = {o for o in ops if isinstance(o, torch._ops.OpOverload)}
-    packets = {o for o in ops if isinstance(o, torch._ops.OpOverloadPacket)}
-    return lambda op: op in overloads or op.overloadpacket in packets
 
 
 class _Marker(TorchDispatchMode):

@@ -26,19 +26,15 @@ from torch.utils.checkpoint import checkpoint
 import gradient_scope
 from gradient_scope import recompute_scope
 
-from .ideal import BlockAccounting, normalize_policy
+from .ideal import BlockAccounting
 from .memory import measure
 from .model import GPT, GPTConfig, make_batch
 from .overhead import format_overhead, run_overhead, sac_context
 
-try:  # the library's ready-made policy, if this version has it
-    from gradient_scope.policies import save_matmuls as _SAVE_MM
+from gradient_scope.policies import as_save_policy, save_matmuls
 
-    SAVE_MM: Any = _SAVE_MM
-    SAVE_MM_NAME = "gradient_scope.policies.save_matmuls"
-except ImportError:  # pragma: no cover - older library versions
-    SAVE_MM = [torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm]
-    SAVE_MM_NAME = "[aten.mm, aten.bmm, aten.addmm, aten.baddbmm]"
+SAVE_MM: Any = save_matmuls
+SAVE_MM_NAME = "gradient_scope.policies.save_matmuls"
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act", "scope_layer_savemm"]
 SCOPE_STRATEGIES = ["scope_layer", "scope_mlp", "scope_act", "scope_layer_savemm"]
@@ -207,7 +203,7 @@ class Bench:
 
     def block_accounting(self, name: str) -> dict[str, int]:
         """Storages created / read by the strategy's blocks and saved by plain autograd."""
-        policy = normalize_policy(SAVE_MM) if name == "scope_layer_savemm" else None
+        policy = as_save_policy(SAVE_MM) if name == "scope_layer_savemm" else None
         acct = BlockAccounting(policy=policy)
         scopes: list = []
         apply_strategy(self.model, name, scopes, make_block=acct.block)

@@ -6,8 +6,8 @@ they are recomputed from a record of the block's ops when backward needs them.
 
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
-from ._record import ScopeStats
 from ._scope import recompute, recompute_scope
+from ._stats import ScopeStats
 from .policies import save_any, save_attention, save_matmuls, save_nothing
 
 __all__ = [

@@ -14,14 +14,13 @@ from __future__ import annotations
 import inspect
 import operator
 import weakref
-from collections.abc import Iterable
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.nn as nn
 
 from ._scope import recompute_scope
-from .policies import save_any
+from .policies import as_save_policy
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
 
@@ -43,17 +42,8 @@ def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
             f"the options are {', '.join(sorted(_SCOPE_OPTIONS))}"
         )
     options = dict(options)
-    save = options.get("save")
-    if isinstance(save, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        options["save"] = save_any(save)
-    elif save is not None and not callable(save) and isinstance(save, Iterable) and not isinstance(save, (str, bytes)):
-        # A list of ops works as it is, but ops do not pickle: a model with
-        # recompute applied must (the policy pickles them by name).
-        save = list(save)
-        if all(isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for op in save):
-            options["save"] = save_any(*save)
-        else:
-            options["save"] = save
+    # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
+    options["save"] = as_save_policy(options.get("save"))
     recompute_scope(**options)  # raises TypeError/ValueError for invalid values
     return options
 

@@ -1,32 +1,35 @@
-"""The saved-tensor interception that outlives a block: one module, one job.
+"""The thread's saved-tensor hook pair and its lifetime: the only module that edits
+PyTorch's saved-tensor hook stack or patches PyTorch.
 
-While a thread has an open block or a live block-created tensor, a pack/unpack
-pair of ours sits on that thread's saved-tensor hook stack. PyTorch's stack is
-strictly LIFO and ``saved_tensors_hooks.__exit__`` pops whatever is on top, so
-a hook context entered *before* a block and exited while our pair is still
-needed would pop ours instead of its own. To keep PyTorch's innermost-wins rule
-exactly, this module (and only this module), while any thread has our pair
-installed:
+Invariants (cited as I1..I5):
 
-* patches ``torch._C._autograd._pop_saved_tensors_default_hooks`` (which
-  ``saved_tensors_hooks.__exit__`` looks up when it runs, so this also covers
-  contexts entered before our pair was pushed) so that a pop while our pair is
-  on top removes the innermost *other* pair -- the one whose context is
-  exiting, since those exit in LIFO order among themselves -- from under ours;
-* wraps ``torch.autograd.backward`` / ``torch.autograd.grad`` so that our pair
-  leaves the stack as soon as backward returns when the last block tensor died
-  during backward (the autograd engine restores the thread-local hook stack
-  when a backward pass ends, so it cannot be popped from inside backward).
-
-Both are restored exactly when the last thread's pair is removed.
-
-Each pushed pair carries, in its pack callable, the pair directly below it:
-tensors that are not ours are handed on to it exactly as without the scope.
-A pair pushed above another context (a block started inside it) intercepts
-only tensors of blocks started from then on: by the innermost-wins rule, the
-context gets block tensors of blocks that were already open when it was
-entered. (This also keeps torch.utils.checkpoint's count of saved tensors the
-same in forward and in its recomputation.)
+I1. While a thread has an open block or a live block tensor, exactly one pair
+    of ours is on its hook stack, innermost unless a context was entered after
+    it; when it has neither, at the next safe point (I4), the pair leaves and
+    the stack is exactly what it would be without the scope.
+I2. Our pack callable carries the pair directly below it and hands it every
+    tensor that is not ours (S2 in ``_pack``). A pair pushed above another
+    context (a block started inside it) intercepts only tensors of blocks
+    started from then on (block serials): by PyTorch's innermost-wins rule the
+    context gets the tensors of blocks that were already open when it was
+    entered. (This also keeps torch.utils.checkpoint's count of saved tensors
+    the same in forward and in its recomputation.)
+I3. ``saved_tensors_hooks.__exit__`` pops whatever is on top, and looks
+    ``torch._C._autograd._pop_saved_tensors_default_hooks`` up when it runs.
+    While any thread has our pair, that attribute is our pop: a pop while our
+    pair is on top removes the innermost *other* pair -- the one whose context
+    is exiting, since other contexts exit in LIFO order among themselves --
+    from under ours.
+I4. A thread's stack is edited only by that thread, never inside our own pack
+    or unpack (exiting hooks from inside a hook has crashed PyTorch,
+    pytorch/pytorch#130734), and never inside a backward pass (the engine
+    restores the thread's stack when the pass ends): ``torch.autograd.backward``
+    and ``torch.autograd.grad`` are wrapped to sweep when they return.
+I5. The patches of I3 and I4 are installed while any thread has our pair, and
+    removed with the last one. Removal puts back an attribute only if it still
+    holds our patch; if something wrapped ours meanwhile, ours stays in that
+    chain, inert (it acts only while some thread has our pair), and is not
+    installed a second time.
 """
 
 from __future__ import annotations
@@ -37,93 +40,118 @@ from typing import Any, Callable
 
 import torch
 
-from . import _registry
-from ._registry import ThreadState, thread_state
+from . import _pack, _record, _registry
+from ._torch_compat import (
+    HookPair,
+    pop_attribute_owner,
+    pop_saved_hooks,
+    push_saved_hooks,
+    saved_hooks_disabled_message,
+    saved_hooks_enabled,
+    current_graph_task,
+    top_saved_hooks,
+)
 
-__all__ = ["ensure_on_top", "sweep", "Entry"]
-
-_A = torch._C._autograd
-_push = _A._push_saved_tensors_default_hooks
-_pop = _A._pop_saved_tensors_default_hooks
-
-
-def _top() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    return _A._top_saved_tensors_default_hooks(False)
-
-
-def _not_ready(*args: Any) -> Any:
-    raise RuntimeError("gradient_scope: _saving was not imported")
+__all__ = ["ensure_on_top", "sweep"]
 
 
-# Set by _saving: (entry, tensor) -> packed object, and packed -> tensor.
-pack_impl: Callable[[Entry, torch.Tensor], Any] = _not_ready
-unpack_impl: Callable[[Any], torch.Tensor] = _not_ready
+class _Thread:
+    """This module's per-thread state."""
+
+    __slots__ = ("ident", "installed", "busy")
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
+        self.installed = False  # our pair may be on this thread's stack
+        self.busy = 0  # > 0: inside our pack/unpack (I4)
 
 
-class Entry:
-    """Our pack hook; one per push. ``below`` is the pair under it, or None.
+_tls = threading.local()
 
-    With a pair below, only tensors of blocks with serial >= ``serial`` are ours.
-    """
+
+def _thread() -> _Thread:
+    st: _Thread | None = getattr(_tls, "st", None)
+    if st is None:
+        st = _tls.st = _Thread()
+    return st
+
+
+class _Pack:
+    """Our pack hook; one per push. ``below`` is the pair under it (I2)."""
 
     __slots__ = ("below", "serial")
 
-    def __init__(self, below: tuple[Callable[..., Any], Callable[..., Any]] | None, serial: int) -> None:
+    def __init__(self, below: HookPair | None, serial: int) -> None:
         self.below = below
         self.serial = serial
 
     def __call__(self, t: torch.Tensor) -> Any:
-        return pack_impl(self, t)
+        st = _thread()
+        st.busy += 1
+        try:
+            return _pack.pack(self.below, self.serial, t)
+        finally:
+            st.busy -= 1
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    return unpack_impl(packed)
+    st = _thread()
+    st.busy += 1
+    try:
+        return _pack.unpack(packed)
+    finally:
+        st.busy -= 1
 
 
-def _is_ours(pair: tuple[Callable[..., Any], Callable[..., Any]] | None) -> bool:
-    return pair is not None and type(pair[0]) is Entry
+def _is_ours(pair: HookPair | None) -> bool:
+    return pair is not None and type(pair[0]) is _Pack
 
 
 def _push_ours(serial: int) -> None:
-    top = _top()
+    top = top_saved_hooks()
     below = top[0].below if _is_ours(top) else top  # type: ignore[union-attr]
-    _push(Entry(below, serial), _unpack)
+    push_saved_hooks(_Pack(below, serial), _unpack)
 
 
-def _take_stack() -> list[tuple[Callable[..., Any], Callable[..., Any]]]:
+def _take_stack() -> list[HookPair]:
     pairs = []
-    while (top := _top()) is not None:
+    while (top := top_saved_hooks()) is not None:
         pairs.append(top)
-        _pop()
+        pop_saved_hooks()
     pairs.reverse()
     return pairs
 
 
-def _restore_stack(pairs: list[tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
+def _restore_stack(pairs: list[HookPair]) -> None:
     for pair in pairs:
         if _is_ours(pair):
-            if not _is_ours(_top()):
-                # A fresh entry (what is below may have changed); of adjacent
-                # entries the lowest, which intercepts the most, stands for all.
+            if not _is_ours(top_saved_hooks()):
+                # A fresh pack hook (what is below may have changed); of adjacent
+                # ones the lowest, which intercepts the most, stands for all.
                 _push_ours(pair[0].serial)  # type: ignore[attr-defined]
         else:
-            _push(*pair)
+            push_saved_hooks(*pair)
 
 
-# ---------------------------------------------------------------- patches
+# ---------------------------------------------------------------- patches (I3, I5)
 
 _patch_lock = threading.Lock()
-_installed_threads = 0
-_orig_backward = torch.autograd.backward
-_orig_grad = torch.autograd.grad
+_threads_installed = 0  # threads with our pair; the patches act while > 0
 
 
-def _pop_patched() -> None:
-    if not _is_ours(_top()):
-        _pop()
-        return
-    # Our pair is on top, so the context now exiting is the innermost other
-    # one (they exit in LIFO order among themselves): take it from under ours.
+def _popping(inner: Callable[[], None]) -> Callable[[], None]:
+    @functools.wraps(inner)
+    def pop() -> None:
+        if _threads_installed == 0 or not _is_ours(top_saved_hooks()):
+            inner()
+        else:
+            _pop_from_under_ours()
+
+    return pop
+
+
+def _pop_from_under_ours() -> None:
+    # I3: the context now exiting is the innermost other one: take it from under ours.
     pairs = _take_stack()
     for i in range(len(pairs) - 1, -1, -1):
         if not _is_ours(pairs[i]):
@@ -134,91 +162,111 @@ def _pop_patched() -> None:
     _restore_stack(pairs)
 
 
-@functools.wraps(_orig_backward)
-def _backward_patched(*args: Any, **kwargs: Any) -> Any:
-    try:
-        return _orig_backward(*args, **kwargs)
-    finally:
-        sweep()
+def _sweeping(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _threads_installed:
+                sweep()  # I4
+
+    return wrapper
 
 
-@functools.wraps(_orig_grad)
-def _grad_patched(*args: Any, **kwargs: Any) -> Any:
-    try:
-        return _orig_grad(*args, **kwargs)
-    finally:
-        sweep()
+class _Patch:
+    """One attribute we replace while any thread has our pair (I5)."""
+
+    def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        self.owner, self.name, self.make = owner, name, make
+        self.ours: Callable[..., Any] | None = None  # our patch, while it is in place
+        self.inner: Callable[..., Any] | None = None  # what it replaced
+
+    def install(self) -> None:
+        current = getattr(self.owner, self.name)
+        if self.ours is not None and _in_chain(current, self.ours):
+            return  # still in place, possibly wrapped by someone else: inert until now
+        self.inner = current
+        self.ours = self.make(current)
+        setattr(self.owner, self.name, self.ours)
+
+    def remove(self) -> None:
+        if self.ours is not None and getattr(self.owner, self.name) is self.ours:
+            setattr(self.owner, self.name, self.inner)
+            self.ours = self.inner = None
 
 
-def _install_patches() -> None:
-    _A._pop_saved_tensors_default_hooks = _pop_patched
-    torch.autograd.backward = _backward_patched
-    torch.autograd.grad = _grad_patched
+def _in_chain(fn: Any, target: Any) -> bool:
+    """Whether ``target`` is ``fn`` or is wrapped by it (``functools.wraps`` chains)."""
+    seen = 0
+    while fn is not None and seen < 64:
+        if fn is target:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
 
 
-def _remove_patches() -> None:
-    _A._pop_saved_tensors_default_hooks = _pop
-    torch.autograd.backward = _orig_backward
-    torch.autograd.grad = _orig_grad
+_PATCHES = (
+    _Patch(pop_attribute_owner(), "_pop_saved_tensors_default_hooks", _popping),
+    _Patch(torch.autograd, "backward", _sweeping),
+    _Patch(torch.autograd, "grad", _sweeping),
+)
 
 
 def patches_installed() -> bool:
-    return _A._pop_saved_tensors_default_hooks is _pop_patched
+    """Whether our patches are in place (for tests)."""
+    return any(p.ours is not None for p in _PATCHES)
 
 
-# ---------------------------------------------------------------- lifetime
+# ---------------------------------------------------------------- lifetime (I1, I4)
 
 
-def ensure_on_top(state: ThreadState, serial: int) -> None:
-    """Make our pair the innermost one in this thread (block ``serial`` starts)."""
-    global _installed_threads
-    if not _A._saved_tensors_hooks_is_enabled():
+def ensure_on_top(serial: int) -> None:
+    """Make our pair the innermost one in this thread: block ``serial`` starts."""
+    global _threads_installed
+    if not saved_hooks_enabled():
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
-            f"({_A._saved_tensors_hooks_get_disabled_error_message()}). This happens "
-            "inside torch.func transforms and torch.autograd.graph."
-            "disable_saved_tensors_hooks; use recompute_scope(enabled=False) there."
+            f"({saved_hooks_disabled_message()}). This happens inside torch.func transforms "
+            "and torch.autograd.graph.disable_saved_tensors_hooks; use "
+            "recompute_scope(enabled=False) there."
         )
-    if not state.installed:
+    st = _thread()
+    if not st.installed:
         with _patch_lock:
-            if _installed_threads == 0:
-                _install_patches()
-            _installed_threads += 1
-        state.installed = True
-    if not _is_ours(_top()):
+            if _threads_installed == 0:
+                for p in _PATCHES:
+                    p.install()
+            _threads_installed += 1
+        st.installed = True
+    if not _is_ours(top_saved_hooks()):
         _push_ours(serial)
 
 
-def _safe_to_edit(state: ThreadState) -> bool:
-    return (
-        state.ident == threading.get_ident()
-        and state.busy == 0
-        # Inside backward the engine restores the hook stack when the pass
-        # ends: edits made now would be undone. Backward's wrapper sweeps.
-        and torch._C._current_graph_task_id() == -1
-    )
+def _needed() -> bool:
+    return _record.has_open_block() or _registry.ledger().live > 0
 
 
 def sweep() -> None:
-    """Remove this thread's pair if nothing needs it any more (a safe point)."""
-    global _installed_threads
-    state = thread_state()
-    if not state.installed or state.needed() or not _safe_to_edit(state):
+    """Remove this thread's pair if nothing needs it any more and it is safe (I1, I4)."""
+    global _threads_installed
+    st: _Thread | None = getattr(_tls, "st", None)
+    if st is None or not st.installed or st.busy or current_graph_task() != -1 or _needed():
         return
-    pairs = _take_stack()
-    _restore_stack([p for p in pairs if not _is_ours(p)])
-    state.installed = False
+    _restore_stack([p for p in _take_stack() if not _is_ours(p)])
+    st.installed = False
     with _patch_lock:
-        _installed_threads -= 1
-        if _installed_threads == 0:
-            _remove_patches()
+        _threads_installed -= 1
+        if _threads_installed == 0:
+            for p in _PATCHES:
+                p.remove()
 
 
-def _on_unneeded(state: ThreadState) -> None:
-    # A weakref callback: may run in any thread, at any point. Only act when
-    # it is this thread's own stack and nothing of ours is running.
-    if state.ident == threading.get_ident():
+def _on_empty(lg: _registry.Ledger) -> None:
+    # Called where the last tensor died: any thread, any point (I4).
+    if lg.ident == threading.get_ident():
         sweep()
 
 
-_registry.on_unneeded = _on_unneeded
+_registry.add_empty_listener(_on_empty)

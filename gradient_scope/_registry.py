@@ -1,141 +1,173 @@
-"""Which tensors were created in a block, and per-thread bookkeeping.
+"""Which live tensors blocks created.
 
-A process-wide map ``id(tensor) -> weak reference`` identifies block-created
-tensors in the pack hook. It holds no tensor strongly: each entry is a weak
-reference whose callback removes it when the tensor dies and tells the owning
-thread's state, which drops the saved-tensor interception once the thread has
-no open block and no live block tensor left.
+A process-wide map ``id(tensor) -> Entry`` identifies block tensors in the pack
+hook. It holds no tensor strongly: each :class:`Entry` is a weak reference whose
+callback removes it when the tensor dies. Each entry carries everything the
+pack hook needs (the tensor's record, its block, the serial of the scope entry
+that made it, the thread ledger it counts in), so nothing is reached through
+another module's objects.
+
+Invariants:
+
+1. ``_LIVE[k] is e`` implies ``id(e()) == k`` while ``e()`` is alive; a dead
+   entry is removed by its callback (or by :func:`forget`) exactly once, and
+   only then is its ledger's ``died`` counted.
+2. A ledger's ``born`` is written by its own thread only (the recording
+   thread); ``died`` under ``_lock``, from whichever thread a tensor dies in.
+3. When a ledger's live count reaches 0, every registered empty-listener is
+   called once, in the thread where the last tensor died.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from ._record import Node, Region
-
-__all__ = ["ThreadState", "thread_state", "register", "lookup", "live_tensor", "unregister"]
+__all__ = [
+    "Entry",
+    "Ledger",
+    "ledger",
+    "add_empty_listener",
+    "register",
+    "lookup",
+    "forget",
+    "note_alias",
+]
 
 _lock = threading.Lock()
 
 
-class ThreadState:
-    """What one thread has open: blocks, live block tensors, our dispatch mode."""
+class Ledger:
+    """Per thread: how many tensors made by its blocks are alive."""
 
-    __slots__ = (
-        "ident",
-        "regions",
-        "open_blocks",
-        "born",
-        "died",
-        "mode",
-        "bypass",
-        "busy",
-        "installed",
-        "__weakref__",
-    )
+    __slots__ = ("ident", "born", "died", "__weakref__")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
-        self.regions: list[Region] = []  # open blocks, innermost last
-        self.open_blocks = 0
-        # Block tensors registered by this thread (written by it alone) and those
-        # that died since (written under the lock, from any thread).
         self.born = 0
         self.died = 0
-        self.mode: Any = None  # our dispatch mode while a block is open
-        self.bypass = 0  # >0: our dispatch mode passes ops through (replay, internals)
-        self.busy = 0  # >0: inside our pack/unpack hook; never touch the hook stack then
-        self.installed = False  # our hook pair may be on this thread's stack
 
     @property
     def live(self) -> int:
         return self.born - self.died
 
-    def needed(self) -> bool:
-        return self.open_blocks > 0 or self.born != self.died
-
 
 _tls = threading.local()
 
-# Called (in the owning thread, at a safe point) when a thread's need ends.
-on_unneeded: Callable[[ThreadState], None] = lambda state: None
+
+def ledger() -> Ledger:
+    """This thread's ledger."""
+    lg: Ledger | None = getattr(_tls, "ledger", None)
+    if lg is None:
+        lg = _tls.ledger = Ledger()
+    return lg
 
 
-def thread_state() -> ThreadState:
-    state = getattr(_tls, "state", None)
-    if state is None:
-        state = _tls.state = ThreadState()
-    return state
+_empty_listeners: list[Callable[[Ledger], None]] = []
 
 
-class _Ref(weakref.ref):
-    """Weak reference to a block tensor, with what the pack hook needs of it."""
-
-    __slots__ = ("node", "region")
-
-
-_LIVE: dict[int, _Ref] = {}
+def add_empty_listener(fn: Callable[[Ledger], None]) -> None:
+    """Call ``fn(ledger)`` whenever a ledger's live count drops to 0 (invariant 3)."""
+    _empty_listeners.append(fn)
 
 
-def _on_death(ref: _Ref) -> None:
+class Entry(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a live block tensor, with what the pack hook needs."""
+
+    __slots__ = ("var", "block", "serial", "ledger", "aliases")
+
+    var: Any  # the tensor's record (a ``_record.Var``)
+    block: Any  # the replay state of the block that made it
+    serial: int  # of the scope entry that made it
+    ledger: Ledger
+    # Weak references to aliases that other blocks hold of this tensor (same
+    # storage and version counter): its value stays in memory while one lives.
+    aliases: list[weakref.ref[torch.Tensor]] | None
+
+
+_LIVE: dict[int, Entry] = {}
+
+
+def _notify(lg: Ledger) -> None:
+    for fn in _empty_listeners:
+        fn(lg)
+
+
+def _on_death(entry: Entry) -> None:
     if _lock is None:  # interpreter shutdown: module globals are gone
         return
     with _lock:
-        key = ref.node.key
-        if _LIVE.get(key) is ref:
-            del _LIVE[key]
-        owner = ref.region.state
-        owner.died += 1
-        unneeded = owner.born == owner.died and owner.open_blocks == 0
-    if unneeded:
-        on_unneeded(owner)
+        key = entry.var.key
+        if _LIVE.get(key) is not entry:
+            return  # forgotten already (invariant 1)
+        del _LIVE[key]
+        lg = entry.ledger
+        lg.died += 1
+        empty = lg.born == lg.died
+    if empty:
+        _notify(lg)
 
 
-def register(t: torch.Tensor, node: Node, region: Region, owner: ThreadState) -> None:
+def register(t: torch.Tensor, var: Any, block: Any, serial: int, lg: Ledger) -> Entry | None:
+    """Record that ``t`` was made by ``block``; None if ``t`` is already registered
+    (an op returned an existing block tensor: the first record of it stands)."""
     key = id(t)
     if key in _LIVE:
-        # Same tensor seen again (an op returned an existing tensor): keep the
-        # first record of it.
-        return
-    ref = _Ref(t, _on_death)
-    ref.node = node
-    ref.region = region
-    _LIVE[key] = ref
-    # Called only from the recording (owner) thread: no lock needed for born.
-    owner.born += 1
+        return None
+    entry = Entry(t, _on_death)
+    entry.var = var
+    entry.block = block
+    entry.serial = serial
+    entry.ledger = lg
+    entry.aliases = None
+    _LIVE[key] = entry
+    lg.born += 1  # invariant 2: only the recording thread registers
+    return entry
 
 
-def lookup(t: torch.Tensor) -> _Ref | None:
-    """The registry entry (``.node``, ``.region``) of a live block tensor, or None."""
-    ref = _LIVE.get(id(t))
-    if ref is not None and ref() is t:
-        return ref
+def lookup(t: torch.Tensor) -> Entry | None:
+    """The entry of a live block tensor, or None."""
+    entry = _LIVE.get(id(t))
+    if entry is not None and entry() is t:
+        return entry
     return None
 
 
-def live_tensor(node: Node) -> torch.Tensor | None:
-    """The tensor a node stands for, if it is still alive."""
-    ref = _LIVE.get(node.key)
-    if ref is not None and ref.node is node:
-        return ref()
-    return None
-
-
-def unregister(nodes: list[Node]) -> None:
-    """Forget nodes (an aborted block): their tensors become ordinary tensors."""
-    dropped: list[ThreadState] = []
+def forget(vars: list[Any]) -> None:
+    """Forget the tensors of ``vars`` (an aborted block): they become ordinary tensors."""
+    emptied: list[Ledger] = []
     with _lock:
-        for node in nodes:
-            ref = _LIVE.get(node.key)
-            if ref is not None and ref.node is node:
-                del _LIVE[node.key]
-                ref.region.state.died += 1
-                dropped.append(ref.region.state)
-    for owner in dropped:
-        if not owner.needed():
-            on_unneeded(owner)
+        for var in vars:
+            entry = _LIVE.get(var.key)
+            if entry is not None and entry.var is var:
+                del _LIVE[var.key]
+                lg = entry.ledger
+                lg.died += 1
+                if lg.born == lg.died:
+                    emptied.append(lg)
+    for lg in emptied:
+        _notify(lg)
+
+
+def note_alias(entry: Entry, alias: torch.Tensor) -> None:
+    """Another block keeps ``alias`` (sharing ``entry``'s tensor storage and version)."""
+    ref = weakref.ref(alias)
+    if entry.aliases is None:
+        entry.aliases = [ref]
+    else:
+        entry.aliases.append(ref)
+
+
+def value_in_memory(entry: Entry, version: int) -> torch.Tensor | None:
+    """The entry's tensor, or an alias of it another block holds, at ``version``."""
+    t = entry()
+    if t is not None:
+        return t if t._version == version else None
+    for ref in entry.aliases or ():
+        a = ref()
+        if a is not None and a._version == version:
+            return a
+    return None

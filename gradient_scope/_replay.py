@@ -1,384 +1,373 @@
-"""Replay: recompute the value a handle stands for from a block's record.
+"""Replay: recompute the value a handle stands for from its block's record.
 
-Only the recorded ops in the dependency closure of the requested value run,
-in recorded order, below autograd and with autocast switched off (the record
-is already below autocast, so it holds the casts forward made). Each random op
-runs with the generator state it had in forward, inside a fork that restores
-the ambient state. Intermediates are dropped as soon as nothing in the replay
-needs them.
+Each block that has handles gets one :class:`ReplayState` (made with the block,
+held by its handles and by its live tensors' registry entries, so that it and
+the record die as soon as backward no longer needs the block). Rules (cited
+as P1..P6):
 
-Within one backward pass (one graph task) each op runs at most once: values
-that other still-packed handles of the block depend on are cached until those
-handles are served, and the cache is dropped when the pass ends.
+P1. Only the recorded ops in the dependency closure of the requested value
+    run, in recorded order, below autograd (no graph; grad mode as it is) and
+    with autocast off: the record is already below autocast, so it holds the
+    casts forward made. Random ops run with the generator state they had in
+    forward, inside a fork that restores the ambient state.
+P2. A handle stands for its tensor as autograd saved it: the state of the
+    tensor's storage group after every write the block recorded whose version
+    is the saved one. (A kernel may save an argument before writing to it
+    without bumping its version, as ``rrelu_with_noise`` does with its noise:
+    that write is part of the saved value.) A recorded write that did bump the
+    version after the save raises PyTorch's own in-place error, as PyTorch does.
+P3. A value still in memory is used as it is: the tensor itself while it
+    lives, or an alias another block holds of it (R5 in ``_record``).
+P4. Within one backward pass each op runs at most once: values that other
+    pending handles of the block will ask for (their own values, and the values
+    their replays will read) are cached, each entry held by at least one
+    pending handle; the cache is dropped when no pending handle is left or the
+    pass ends.
+P5. Every replayed output is checked against forward's shape, dtype and device
+    (and values with ``debug=True``); a mismatch raises :class:`RecomputeError`.
+P6. An outside tensor the block read must be unchanged: same version and same
+    storage. A freed storage is handed to the registered freed-storage
+    handlers (FSDP2 re-gathers its parameters) before it is an error.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import torch
 
-from . import _rng
+from . import _record
+from ._block import BlockRecord, Input, Var
 from ._errors import RecomputeError
-from ._record import ExternalRef, MetaRef, Node, Region
-from ._registry import live_tensor, thread_state
+from ._execute import run_plan
+from ._registry import _LIVE, Entry, value_in_memory
+from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
 
-if TYPE_CHECKING:
-    from ._saving import Handle
+__all__ = ["Handle", "ViewSpec", "ReplayState", "materialize", "add_freed_storage_handler", "inplace_error"]
 
-__all__ = ["materialize"]
-
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-for _k in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
-    if hasattr(torch._C.DispatchKey, _k):
-        _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _k))
+Tensor = torch.Tensor
+Ref = Any  # Var | Input
 
 
-def _op_name(func: Any) -> str:
-    return str(func)
+def inplace_error(what: str, saved: int, now: int) -> RuntimeError:
+    """PyTorch's error for a saved tensor modified in place (hooks switch its own check off)."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an "
+        f"inplace operation: [{what}] is at version {now}; expected version {saved} instead. "
+        "(Checked by gradient_scope, which stands in for PyTorch's own check while its "
+        "saved-tensor hooks are active.)"
+    )
 
 
-def _refs_of(args: Any) -> Iterator[Node | ExternalRef]:
+class ViewSpec:
+    """A view of a block tensor taken after the block, rebuilt on the replayed base
+    from its storage layout, dtype and conj/neg bits (``as_strided`` alone would
+    lose the bits and cannot change the dtype)."""
+
+    __slots__ = ("dtype", "size", "stride", "delta", "conj", "neg")
+
+    def __init__(self, view: Tensor, base: Tensor) -> None:
+        self.dtype = view.dtype
+        self.size = view.size()
+        self.stride = view.stride()
+        # Offset from the base's first element, in bytes (dtypes may differ).
+        self.delta = view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()
+        self.conj = view.is_conj()
+        self.neg = view.is_neg()
+
+    @staticmethod
+    def of(view: Tensor, base: Tensor) -> ViewSpec | None:
+        """The spec of ``view`` (a view of ``base``), or None if it cannot be rebuilt."""
+        if type(view) is not Tensor or view.layout != torch.strided or base.layout != torch.strided:
+            return None
+        return ViewSpec(view, base)
+
+    def apply(self, base: Tensor) -> Tensor:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        offset = (base.storage_offset() * base.element_size() + self.delta) // itemsize
+        v = torch.empty(0, dtype=self.dtype, device=base.device)
+        v.set_(base.untyped_storage(), offset, self.size, self.stride)
+        if self.conj:
+            v = v.conj()
+        if self.neg:
+            v = torch._neg_view(v)
+        return v
+
+
+class Handle:
+    """Stands in for a block tensor that autograd saved."""
+
+    __slots__ = ("state", "entry", "var", "version", "view", "check", "__weakref__")
+
+    def __init__(
+        self, state: ReplayState, entry: Entry, var: Var, version: int, view: ViewSpec | None, check: Tensor | None
+    ) -> None:
+        self.state = state
+        self.entry = entry  # the registry entry of the tensor (or of the view's base)
+        self.var = var
+        self.version = version  # of the tensor when autograd saved it
+        self.view = view
+        self.check = check  # debug=True: an alias of the saved tensor, compared at unpack
+
+    def unpack(self) -> Tensor:
+        return materialize(self)
+
+
+_freed_storage_handlers: list[Callable[[Tensor], bool]] = []
+
+
+def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
+    """Register ``fn(tensor) -> bool``, asked (in order) to bring back the freed
+    storage of an outside tensor a replay is about to read; True if it did."""
+    _freed_storage_handlers.append(fn)
+
+
+def materialize(h: Handle) -> Tensor:
+    """The value ``h`` stands for (P3, else a replay), as autograd saved it."""
+    with _record.paused(), below_autograd():
+        t = h.entry()
+        if t is not None and t._version != h.version:
+            raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
+        t = value_in_memory(h.entry, h.version)
+        value = t.detach() if t is not None else h.state.replay(h)
+        if h.view is not None:
+            value = h.view.apply(value)
+        if h.check is not None and not _same(value, h.check):
+            raise RecomputeError(
+                f"gradient_scope (debug): the recomputed {h.var.describe()} differs from the "
+                "tensor autograd saved, whose version did not change: it was written through "
+                "`.data`, a NumPy array (torch.from_numpy) or untyped_storage() after it was "
+                "saved, or a tensor the block read was. Do not write to tensors a block made or "
+                "read until backward has run."
+            )
+        return value
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a.device.type == "cpu":
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True))
+
+
+def _refs_of(args: Any) -> Iterator[Ref]:
     for a in args:
-        if isinstance(a, (Node, ExternalRef)):
+        if isinstance(a, (Var, Input)):
             yield a
         elif isinstance(a, list):
             for x in a:
-                if isinstance(x, (Node, ExternalRef)):
+                if isinstance(x, (Var, Input)):
                     yield x
 
 
-def _inputs(rec: Any) -> Iterator[Node | ExternalRef]:
-    yield from _refs_of(rec.args)
-    if rec.kwargs:
-        yield from _refs_of(rec.kwargs.values())
+def _inputs(rec: Any) -> Iterator[Ref]:
+    yield from _refs_of(rec[1])
+    if rec[2]:
+        yield from _refs_of(rec[2].values())
 
 
-def _closure(region: Region, node: Node, bound: int, available: Any = None) -> set[int]:
-    """Indices of the ops needed to rebuild ``node`` as it was before op ``bound``."""
-    ops = region.ops
+def _live(var: Var) -> Tensor | None:
+    """The tensor ``var`` stands for, if alive and unchanged."""
+    e = _LIVE.get(var.key)
+    if e is not None and e.var is var:
+        t = e()
+        if t is not None and t._version == var.version:
+            return t
+    return None
+
+
+def _closure(record: BlockRecord, var: Var, bound: int, available: Callable[[Var], bool] | None) -> set[int]:
+    """Indices of the ops needed to rebuild ``var`` as it was before op ``bound``."""
+    ops = record.ops
     need: set[int] = set()
     seen: set[tuple[int, int]] = set()
-    stack: list[tuple[Node | ExternalRef, int]] = [(node, bound)]
-
-    def add(i: int) -> None:
-        if i not in need:
-            need.add(i)
-            for r in _inputs(ops[i]):
-                stack.append((r, i))
-
+    stack: list[tuple[Ref, int]] = [(var, bound)]
     while stack:
-        n, t = stack.pop()
-        key = (id(n), t)
-        if key in seen:
+        r, b = stack.pop()
+        if (id(r), b) in seen:
             continue
-        seen.add(key)
-        if isinstance(n, ExternalRef):
-            group: Node | ExternalRef = n
-        else:
-            group = n.root
-            if available is not None and not group.mutations and available(n):
+        seen.add((id(r), b))
+        group = r.root
+        if isinstance(r, Var):
+            if available is not None and not group.writes and available(r):
                 continue
-            add(n.op)
-        for j, _pre in group.mutations:
-            if j >= t:
+            if r.op not in need:
+                need.add(r.op)
+                stack.extend((x, r.op) for x in _inputs(ops[r.op]))
+        for j, _ in group.writes:
+            if j >= b:
                 break
-            add(j)
+            if j not in need:
+                need.add(j)
+                stack.extend((x, j) for x in _inputs(ops[j]))
     return need
 
 
-def _applied(root: Node | ExternalRef, bound: int) -> int:
-    """How many of a storage group's recorded writes come before op ``bound``."""
-    k = 0
-    for j, _pre in root.mutations:
-        if j >= bound:
-            break
-        k += 1
-    return k
-
-
 class _Pass:
-    """Replay state of one block within one backward pass.
+    """Replay state of one block within one backward pass (P4)."""
 
-    ``cache`` holds values that still-packed handles will ask for: their own
-    values (keyed by node and number of writes applied to its storage group)
-    and the values their remaining replay reads (the frontier). ``holds`` says
-    which cache entries each pending handle keeps; an entry is dropped when
-    no pending handle keeps it.
-    """
+    __slots__ = ("task", "cache", "refs", "holds", "pending")
 
-    def __init__(self, region: Region, task: int) -> None:
+    def __init__(self, task: int, pending: Any) -> None:
         self.task = task
-        self.cache: dict[tuple[Node, int], torch.Tensor] = {}
-        self.refs: dict[tuple[Node, int], int] = {}
-        self.holds: dict[Any, list[tuple[Node, int]]] = {}
-        self.pending: set[Any] = set(region.handles or ())
+        # Values keyed by (var, number of its group's writes applied).
+        self.cache: dict[tuple[Var, int], Tensor] = {}
+        self.refs: dict[tuple[Var, int], int] = {}  # pending handles holding each entry
+        self.holds: dict[Handle, list[tuple[Var, int]]] = {}
+        self.pending: set[Handle] = set(pending)
 
-    def hold(self, h: Handle, key: tuple[Node, int]) -> None:
+    def hold(self, h: Handle, key: tuple[Var, int], value: Tensor) -> None:
+        self.cache[key] = value
         self.holds.setdefault(h, []).append(key)
         self.refs[key] = self.refs.get(key, 0) + 1
 
     def serve(self, h: Handle) -> None:
         self.pending.discard(h)
         for key in self.holds.pop(h, ()):
-            c = self.refs[key] - 1
-            if c:
-                self.refs[key] = c
+            n = self.refs[key] - 1
+            if n:
+                self.refs[key] = n
             else:
                 del self.refs[key]
                 self.cache.pop(key, None)
 
 
-def _memo_closure(region: Region, node: Node, bound: int) -> set[int] | frozenset[int]:
-    if region.open:
-        return _closure(region, node, bound)
-    key = (node, bound)
-    ops = region.closures.get(key)
-    if ops is None:
-        ops = region.closures[key] = frozenset(_closure(region, node, bound))
-    return ops
+class ReplayState:
+    """Replay bookkeeping of one block: its pending handles, the current pass's
+    cache, memoised closures. Only this class writes them, under ``lock``."""
 
+    __slots__ = ("record", "lock", "pending", "current", "closures", "__weakref__")
 
-def _end_pass(region: Region, task: int) -> None:
-    with region.lock:
-        ps = region.pass_state
-        if ps is not None and ps.task == task:
-            region.pass_state = None
+    def __init__(self, record: BlockRecord) -> None:
+        self.record = record
+        self.lock = threading.RLock()  # backward may run in another thread
+        self.pending: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self.current: _Pass | None = None
+        self.closures: dict[Var, frozenset[int]] = {}
 
+    def handle(self, entry: Entry, t: Tensor, view: ViewSpec | None) -> Handle | None:
+        """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it."""
+        var: Var = entry.var
+        root = var.root
+        if isinstance(root, Input):
+            return None  # a view of an outside tensor: storing it costs nothing extra
+        v = t._version
+        writes = root.writes
+        if v != (writes[-1][1] if writes else var.version):
+            return None  # changed by something the block did not record (e.g. after it)
+        check = t.detach() if var.frame.debug else None
+        h = Handle(self, entry, var, v, view, check)
+        with self.lock:
+            self.pending.add(h)
+        stats = var.frame.stats
+        stats.tensors_packed += 1
+        stats.bytes_packed += t.numel() * t.element_size()
+        return h
 
-def materialize(h: Handle) -> torch.Tensor:
-    node = h.node
-    state = thread_state()
-    state.bypass += 1  # nothing below is to be recorded by an open block
-    try:
-        with torch.no_grad():
-            t = live_tensor(node)
-            if t is None or t._version != h.version:
-                t = _replay(h.region, h)
-            else:
-                t = t.detach()
-            if h.view is not None:
-                size, stride, offset = h.view
-                t = t.as_strided(size, stride, t.storage_offset() + offset)
-            return t
-    finally:
-        state.bypass -= 1
-
-
-def _replay(region: Region, h: Handle) -> torch.Tensor:
-    with region.lock:
-        task = torch._C._current_graph_task_id()
-        ps: _Pass | None = None
-        if task != -1:
-            ps = region.pass_state
-            if ps is None or ps.task != task:
-                ps = region.pass_state = _Pass(region, task)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: _end_pass(region, task)
+    def replay(self, h: Handle) -> Tensor:
+        """Recompute ``h``'s value (P1, P2, P4)."""
+        var = h.var
+        for _, post in var.root.writes:
+            if post is None:
+                raise RecomputeError(
+                    f"gradient_scope: cannot recompute a {var.describe()}: the block wrote to it "
+                    "with an op that is never replayed (a collective). Keep it out of the "
+                    "recompute_scope or store it with save=[...]."
                 )
-        node = h.node
-        key = (node, _applied(node.root, h.bound))
-        if ps is not None:
-            cached = ps.cache.get(key)
-            if cached is not None:
-                ps.serve(h)
-                return cached
-        cache = ps.cache if ps is not None else {}
+            if post > h.version:
+                raise inplace_error(var.describe(), h.version, post)
+        record = self.record
+        with self.lock:
+            task = current_graph_task()
+            ps = self._pass(task) if task != -1 else None
+            key = (var, len(var.root.writes))
+            if ps is not None:
+                cached = ps.cache.get(key)
+                if cached is not None:
+                    self._served(ps, h)
+                    return cached
+            cache = ps.cache if ps is not None else {}
 
-        def available(n: Node) -> bool:
-            if not n.root.mutations and (n, 0) in cache:
-                return True
-            t = live_tensor(n)
-            return t is not None and t._version == n.version and not n.root.mutations
+            def available(r: Var) -> bool:
+                return (r, 0) in cache or _live(r) is not None
 
-        plan = sorted(_closure(region, node, h.bound, available))
-        if ps is None:
-            return _run(region, plan, node, cache, {}, {})
-        # What the other pending handles will ask for: their own values if this
-        # replay makes them, and the values of this replay that their own
-        # replays would read.
-        plan_set = set(plan)
-        targets: dict[Node, list[Handle]] = {}
-        frontier: dict[Node, list[Handle]] = {}
-        ops = region.ops
+            bound = len(record.ops)
+            plan = sorted(_closure(record, var, bound, available))
+            if ps is None:
+                return run_plan(record, plan, var, cache, (), {}, self._freed)
+            targets, frontier = self._wanted(ps, h, set(plan))
+            produced: dict[Var, Tensor] = {}
+            value = run_plan(record, plan, var, cache, targets.keys() | frontier.keys(), produced, self._freed)
+            for n, v in produced.items():
+                k = len(n.root.writes)
+                for h2 in targets.get(n, ()):
+                    ps.hold(h2, (n, k), v)
+                if not n.root.writes:
+                    for h2 in frontier.get(n, ()):
+                        ps.hold(h2, (n, 0), v)
+            self._served(ps, h)
+            return value
+
+    # -- P4 bookkeeping
+
+    def _pass(self, task: int) -> _Pass:
+        ps = self.current
+        if ps is None or ps.task != task:
+            ps = self.current = _Pass(task, self.pending)
+            ref = weakref.ref(self)  # the engine must not keep the block alive
+
+            def end() -> None:
+                state = ref()
+                if state is not None:
+                    state._end(task)
+
+            queue_engine_callback(end)
+        return ps
+
+    def _end(self, task: int) -> None:
+        with self.lock:
+            if self.current is not None and self.current.task == task:
+                self.current = None
+
+    def _served(self, ps: _Pass, h: Handle) -> None:
+        ps.serve(h)
+        if not ps.pending:
+            self.current = None  # nothing left to serve in this pass: free the cache
+
+    def _wanted(self, ps: _Pass, h: Handle, plan: set[int]) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
+        """What the other pending handles will ask for that this plan makes: their
+        own values (targets), and values their own replays would read (frontier)."""
+        targets: dict[Var, list[Handle]] = {}
+        frontier: dict[Var, list[Handle]] = {}
+        ops = self.record.ops
         for h2 in ps.pending:
             if h2 is h:
                 continue
-            n2 = h2.node
-            key2 = (n2, _applied(n2.root, h2.bound))
-            if key2 in cache:
+            n2 = h2.var
+            if (n2, len(n2.root.writes)) in ps.cache:
                 continue
-            if n2.op in plan_set:
+            if n2.op in plan:
                 targets.setdefault(n2, []).append(h2)
                 continue
-            for i in _memo_closure(region, n2, h2.bound):
-                if i in plan_set:
+            for i in self._closure_of(n2):
+                if i in plan:
                     continue
                 for r in _inputs(ops[i]):
-                    if isinstance(r, Node) and r.op in plan_set and not r.root.mutations:
+                    if isinstance(r, Var) and r.op in plan and not r.root.writes:
                         frontier.setdefault(r, []).append(h2)
-        produced: dict[Node, torch.Tensor] = {}
-        value = _run(region, plan, node, cache, targets.keys() | frontier.keys(), produced)
-        ps.serve(h)
-        for n, v in produced.items():
-            k = 0
-            for j, _pre in n.root.mutations:
-                if j in plan_set:
-                    k += 1
-            for h2 in targets.get(n, ()):
-                if _applied(n.root, h2.bound) == k:
-                    ps.hold(h2, (n, k))
-                    cache[(n, k)] = v
-            if not n.root.mutations:
-                for h2 in frontier.get(n, ()):
-                    ps.hold(h2, (n, 0))
-                    cache[(n, 0)] = v
-        return value
+        return targets, frontier
 
+    def _closure_of(self, var: Var) -> frozenset[int] | set[int]:
+        record = self.record
+        if record.open:
+            return _closure(record, var, len(record.ops), None)
+        ops = self.closures.get(var)
+        if ops is None:
+            ops = self.closures[var] = frozenset(_closure(record, var, len(record.ops), None))
+        return ops
 
-def _check(region: Region, func: Any, node: Node, value: Any) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise RecomputeError(
-            f"gradient_scope: replaying {_op_name(func)} returned {type(value).__name__} "
-            f"where forward produced a {node.describe()}."
-        )
-    if value.shape != node.size or value.dtype != node.dtype or value.device != node.device:
-        raise RecomputeError(
-            f"gradient_scope: replaying {_op_name(func)} produced a tensor of shape "
-            f"{list(value.shape)} ({value.dtype}, {value.device}) where forward produced a "
-            f"{node.describe()}. The op does not replay faithfully; keep its output with "
-            "save=[...] or move it out of the recompute_scope."
-        )
-    ref = region.debug_values.get(node) if region.debug_values else None
-    if ref is not None:
-        same = (
-            torch.equal(value, ref)
-            if value.device.type == "cpu"
-            else torch.allclose(value, ref, rtol=1e-5, atol=1e-8, equal_nan=True)
-        )
-        if not same:
-            raise RecomputeError(
-                f"gradient_scope (debug): replaying {_op_name(func)} gave different values "
-                f"for a {node.describe()} than forward did. The op is not deterministic or "
-                "read state that changed; keep its output with save=[...] or move it out "
-                "of the recompute_scope."
-            )
-
-
-def _run(
-    region: Region,
-    plan: list[int],
-    target: Node,
-    cache: dict[tuple[Node, int], torch.Tensor],
-    keep: Any,
-    produced: dict[Node, torch.Tensor],
-) -> torch.Tensor:
-    """Run ``plan``; return ``target``'s value and put the values of ``keep`` nodes
-    (as they stand at the end, for groups written to) into ``produced``."""
-    ops = region.ops
-    last_use: dict[int, int] = {}
-    for i in plan:
-        for r in _inputs(ops[i]):
-            last_use[id(r)] = i
-    env: dict[int, torch.Tensor] = {}
-
-    def value_of(r: Node | ExternalRef, func: Any) -> torch.Tensor:
-        v = env.get(id(r))
-        if v is not None:
-            return v
-        if isinstance(r, ExternalRef):
-            if r.snapshot:
-                v = env[id(r)] = r.tensor.clone(memory_format=torch.preserve_format)
-                return v
-            t = r.tensor
-            if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
-                raise RecomputeError(
-                    f"gradient_scope: cannot recompute the output of {_op_name(func)}: its "
-                    f"input tensor of shape {list(t.shape)} ({t.dtype}), read from outside "
-                    "the recompute_scope, has had its storage freed since forward (FSDP2 "
-                    "frees unsharded parameters after forward). Put the recompute_scope "
-                    "around code that does not read such parameters (e.g. activations "
-                    "only), use fully_shard(..., reshard_after_forward=False), or use "
-                    "torch.utils.checkpoint for that module."
-                )
-            if t._version != r.version:
-                raise RecomputeError(
-                    f"gradient_scope: cannot recompute the output of {_op_name(func)}: its "
-                    f"input tensor of shape {list(t.shape)} ({t.dtype}), read from outside "
-                    f"the recompute_scope, was modified in place after the block (version "
-                    f"{r.version} -> {t._version}) and before backward. Do not modify tensors "
-                    "a block read until backward has run, or pass a clone into the block."
-                )
-            return t
-        v = cache.get((r, 0)) if not r.root.mutations else None
-        if v is None:
-            t = live_tensor(r)
-            if t is None or t._version != r.version:
-                raise RecomputeError(
-                    f"gradient_scope: internal error: no value for a {r.describe()} needed "
-                    f"by {_op_name(func)}. Please report this."
-                )
-            v = t.detach()
-        env[id(r)] = v
-        return v
-
-    def build(args: Any, func: Any) -> Any:
-        out = []
-        for a in args:
-            if isinstance(a, (Node, ExternalRef)):
-                out.append(value_of(a, func))
-            elif isinstance(a, MetaRef):
-                out.append(a.empty())
-            elif isinstance(a, list):
-                out.append([value_of(x, func) if isinstance(x, (Node, ExternalRef)) else x for x in a])
-            else:
-                out.append(a)
-        return out
-
-    stats = target.stats
-    result: torch.Tensor | None = None
-    with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
-        for i in plan:
-            rec = ops[i]
-            func = rec.func
-            args = build(rec.args, func)
-            kwargs = dict(zip(rec.kwargs, build(list(rec.kwargs.values()), func))) if rec.kwargs else {}
-            try:
-                if rec.rng is not None:
-                    out = _rng.replay_with_state(rec.rng, func, args, kwargs)
-                else:
-                    out = func(*args, **kwargs)
-            except RecomputeError:
-                raise
-            except Exception as e:
-                raise RecomputeError(
-                    f"gradient_scope: replaying {_op_name(func)} failed during backward: {e}"
-                ) from e
-            del args, kwargs
-            outs = rec.outs
-            if outs:
-                values = (out,) if isinstance(out, torch.Tensor) else out
-                for n, v in zip(outs, values):
-                    if n is None:
-                        continue
-                    _check(region, func, n, v)
-                    env[id(n)] = v
-                    if n is target:
-                        result = v
-                    if n in keep:
-                        produced[n] = v
-            # Drop what no later op of this replay reads.
-            for r in list(_inputs(rec)):
-                if last_use.get(id(r)) == i and r is not target:
-                    env.pop(id(r), None)
-            for n in outs:
-                if n is not None and n is not target and id(n) not in last_use:
-                    env.pop(id(n), None)
-    stats.replays += 1
-    stats.ops_replayed += len(plan)
-    if result is None:
-        raise RecomputeError(
-            f"gradient_scope: internal error: replay did not produce the {target.describe()}. "
-            "Please report this."
-        )
-    return result
+    @staticmethod
+    def _freed(t: Tensor) -> bool:
+        return any(fn(t) for fn in _freed_storage_handlers)

@@ -1,6 +1,6 @@
 """Random-number-generator state: which generator an op draws from, and forks.
 
-Only ops tagged ``torch.Tag.nondeterministic_seeded`` pay for a snapshot. CUDA is
+Only ops tagged ``torch.Tag.nondeterministic_seeded`` pay for a snapshot (``_ops``). CUDA is
 never initialised here: a CUDA generator is only looked up for an op that is
 already running on a CUDA device.
 """
@@ -12,12 +12,6 @@ from typing import Any
 import torch
 
 __all__ = ["capture", "replay_with_state"]
-
-_SEEDED = torch.Tag.nondeterministic_seeded
-
-
-def is_seeded(func: Any) -> bool:
-    return _SEEDED in func.tags
 
 
 def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:

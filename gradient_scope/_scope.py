@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any, Callable, TypeVar, overload
 
 import torch
 
-from . import _interception, _saving  # noqa: F401  (_saving installs the hook bodies)
-from ._record import RecordingMode, Region, ScopeStats
-from ._registry import thread_state
-from ._policy import make_save_policy
+from . import _interception, _record
+from ._block import BlockRecord, Frame
+from ._replay import ReplayState
+from ._stats import ScopeStats
+from .policies import as_save_policy
 
 __all__ = ["recompute_scope", "recompute"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_serials = itertools.count(1)  # one per block entered, in entry order
+_serials = itertools.count(1)  # one per block entered, in entry order (I2)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -45,7 +47,8 @@ class recompute_scope:
         debug: compare each recomputed value with what forward computed and
             raise :class:`RecomputeError` naming the op on a mismatch.
 
-    Used as a decorator, each call of the function is its own block.
+    Used as a decorator, each call of the function is its own block (each
+    resumption, for a generator function or an ``async def`` function).
 
     Example::
 
@@ -66,15 +69,17 @@ class recompute_scope:
         enabled: bool = True,
         debug: bool = False,
     ) -> None:
-        self._options = dict(
+        self._options: dict[str, Any] = dict(
             preserve_rng_state=_check_bool("preserve_rng_state", preserve_rng_state),
             save=save,
             enabled=_check_bool("enabled", enabled),
             debug=_check_bool("debug", debug),
         )
-        self._save = make_save_policy(save)
+        self._save = as_save_policy(save)
         self._stats = ScopeStats()
-        self._region: Region | None = None
+        self._block: _record.Recording | None = None
+        self._frame: Frame | None = None
+        self._nested = False
         self._active = False
 
     @property
@@ -86,6 +91,10 @@ class recompute_scope:
         opts = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return f"recompute_scope({opts})"
 
+    def __reduce__(self) -> Any:
+        # Copies (copy.copy, copy.deepcopy, pickle) are fresh scopes with the same options.
+        return (_rebuild_scope, (self._options,))
+
     def __enter__(self) -> recompute_scope:
         if self._active:
             raise RuntimeError(
@@ -93,110 +102,136 @@ class recompute_scope:
                 "recompute_scope() for each block (a decorated function does this per call)."
             )
         self._active = True
-        if (
-            not self._options["enabled"]
-            or not torch.is_grad_enabled()
-            or torch.is_inference_mode_enabled()
-        ):
-            self._region = None  # records nothing: a plain block
+        opts = self._options
+        if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            self._block = None  # records nothing: a plain block
             return self
-        state = thread_state()
         serial = next(_serials)
         try:
-            _interception.ensure_on_top(state, serial)
+            _interception.ensure_on_top(serial)
         except BaseException:
             self._active = False
             raise
-        if state.regions and state.regions[-1].task == torch._C._current_graph_task_id():
-            # Nested in an open block of this thread: record into its region.
-            region = state.regions[-1]
-            region.push_frame(
-                preserve_rng_state=self._options["preserve_rng_state"],
-                save=self._save,
-                debug=self._options["debug"],
-                stats=self._stats,
-                serial=serial,
-            )
-            self._region = region
-            self._nested = True
-            return self
-        region = Region(
-            state,
-            preserve_rng_state=self._options["preserve_rng_state"],
-            save=self._save,
-            debug=self._options["debug"],
-            stats=self._stats,
-            serial=serial,
-        )
-        state.open_blocks += 1
-        state.regions.append(region)
-        if state.mode is None:
-            mode = RecordingMode(state)
-            mode.__enter__()
-            state.mode = mode
-        self._region = region
-        self._nested = False
+        frame = self._frame = Frame(opts["preserve_rng_state"], self._save, opts["debug"], self._stats, serial)
+        outer = _record.innermost()
+        if outer is not None:  # nested in an open block of this thread: record into it
+            outer.push(frame)
+            self._block, self._nested = outer, True
+        else:
+            record = BlockRecord()
+            self._block, self._nested = _record.open_block(record, ReplayState(record), frame), False
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._active:
             raise RuntimeError("recompute_scope: __exit__ called on a scope that is not active.")
-        region = self._region
-        if region is None:
+        block = self._block
+        if block is None:
             self._active = False
             return
-        state = region.state
-        if self._nested:
-            if region._frames and region.stats is self._stats and state.regions[-1] is region:
-                region.pop_frame(aborted=exc_type is not None)
-                self._region = None
-                self._active = False
-                return
+        if _record.innermost() is not block or block.frame is not self._frame or (
+            not self._nested and len(block.frames) != 1
+        ):
             raise RuntimeError(
                 "recompute_scope: scopes exited out of order (or in another thread). "
                 "Exit the innermost recompute_scope first."
             )
-        if region._frames or not state.regions or state.regions[-1] is not region:
-            raise RuntimeError(
-                "recompute_scope: scopes exited out of order (or in another thread). "
-                "Exit the innermost recompute_scope first."
-            )
-        if len(state.regions) == 1:
-            mode = state.mode
-            from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-            if _get_current_dispatch_mode() is not mode:
-                raise RuntimeError(
-                    "recompute_scope: a TorchDispatchMode entered inside the block is "
-                    "still active. Exit it before leaving the recompute_scope."
-                )
-        state.regions.pop()
-        self._region = None
+        self._block = self._frame = None
         self._active = False
+        aborted = exc_type is not None
+        if self._nested:
+            block.pop(aborted)
+            return
         try:
-            region.close(aborted=exc_type is not None)
+            clean = _record.close_block(block, aborted)
         finally:
-            state.open_blocks -= 1
-            if not state.regions:
-                mode = state.mode
-                state.mode = None
-                mode.__exit__(None, None, None)
             _interception.sweep()
+        if not clean and not aborted:
+            raise RuntimeError(
+                "recompute_scope: a TorchDispatchMode entered inside the block was still "
+                "active when the block ended; the scope has been closed under it. Exit modes "
+                "entered inside a recompute_scope before leaving it."
+            )
 
     @overload
     def __call__(self, fn: F) -> F: ...
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not callable(fn):
-            raise TypeError(f"recompute_scope(...) decorates a callable, got {type(fn).__name__}")
-        options = self._options
+        return _decorate(fn, self._options)
+
+
+def _rebuild_scope(options: dict[str, Any]) -> recompute_scope:
+    return recompute_scope(**options)
+
+
+def _decorate(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` with each call (each resumption of a generator or coroutine) in a scope."""
+    if inspect.isclass(fn):
+        raise TypeError(
+            f"recompute_scope(...) cannot decorate a class ({fn.__name__}); decorate its "
+            "forward method, or use apply_recompute(model, check_fn=...) on instances."
+        )
+    if not callable(fn):
+        raise TypeError(f"recompute_scope(...) decorates a callable, got {type(fn).__name__}")
+    if inspect.isasyncgenfunction(fn):
+        raise TypeError(
+            f"recompute_scope(...) cannot decorate the async generator function {fn.__name__}; "
+            "use `with recompute_scope():` inside it around the tensor code."
+        )
+    if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with recompute_scope(**options):
-                return fn(*args, **kwargs)
+        def generator(*args: Any, **kwargs: Any) -> Any:
+            return (yield from _each_step_scoped(fn(*args, **kwargs), options))
 
-        return wrapper
+        return generator
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def coroutine(*args: Any, **kwargs: Any) -> Any:
+            return await _ScopedAwaitable(fn(*args, **kwargs), options)
+
+        return coroutine
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with recompute_scope(**options):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _each_step_scoped(gen: Any, options: dict[str, Any]) -> Generator[Any, Any, Any]:
+    """Drive a generator or coroutine, each resumption in its own scope."""
+    send: Any = None
+    throw: BaseException | None = None
+    while True:
+        done: StopIteration | None = None
+        with recompute_scope(**options):
+            try:
+                out = gen.throw(throw) if throw is not None else gen.send(send)
+            except StopIteration as stop:
+                done = stop
+        if done is not None:
+            return done.value
+        send, throw = None, None
+        try:
+            send = yield out
+        except GeneratorExit:
+            gen.close()
+            raise
+        except BaseException as e:  # thrown into us: throw it into the inner one
+            throw = e
+
+
+class _ScopedAwaitable:
+    __slots__ = ("coro", "options")
+
+    def __init__(self, coro: Any, options: dict[str, Any]) -> None:
+        self.coro, self.options = coro, options
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return _each_step_scoped(self.coro, self.options)
 
 
 @overload
@@ -233,6 +268,4 @@ def recompute(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
         return recompute_scope(**options)
     if options:
         raise TypeError("recompute(fn, ...): pass options as @recompute(option=...)")
-    if not callable(fn):
-        raise TypeError(f"recompute decorates a callable, got {type(fn).__name__}")
     return recompute_scope()(fn)

@@ -25,11 +25,12 @@ record.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any"]
+__all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any", "as_save_policy"]
 
 
 # Op names (without the ``aten::`` namespace) matched by the policies. Most
@@ -333,3 +334,44 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
                 f"torch.ops.aten.mm or torch.ops.aten.mm.default, got {item!r}"
             )
     return _SaveAny(tuple(policies), tuple(ops))
+
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def as_save_policy(save: Iterable[Any] | Callable[[Any], bool] | None) -> Callable[[Any], bool] | None:
+    """The ``save=`` option of a scope as a policy ``op -> bool`` (None: recompute everything).
+
+    The one place ``save=`` is interpreted: a callable is used as it is; an op, or
+    an iterable of ops (``torch.ops.aten.mm`` or ``torch.ops.aten.mm.default``),
+    becomes a picklable :func:`save_any` policy.
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope.policies import as_save_policy
+        >>> policy = as_save_policy([torch.ops.aten.mm])
+        >>> policy(torch.ops.aten.mm.default), policy(torch.ops.aten.add.Tensor)
+        (True, False)
+        >>> as_save_policy(None) is None
+        True
+    """
+    if save is None:
+        return None
+    if isinstance(save, _OPS):
+        return _SaveAny((), (save,))
+    if callable(save):
+        return save
+    if isinstance(save, (str, bytes)) or not isinstance(save, Iterable):
+        raise TypeError(
+            "recompute_scope: save= takes an iterable of ops (e.g. [torch.ops.aten.mm]) "
+            f"or a callable op -> bool, got {type(save).__name__}"
+        )
+    ops = tuple(save)
+    for op in ops:
+        if not isinstance(op, _OPS):
+            raise TypeError(
+                "recompute_scope: save= entries must be ops such as torch.ops.aten.mm or "
+                f"torch.ops.aten.mm.default, got {op!r}"
+            )
+    return _SaveAny((), ops)

@@ -1,0 +1,145 @@
+"""The record of a block: the types a recording is made of and replay reads.
+
+Only the recorder (``_record``) creates and writes these objects; replay and
+the pack hook read them. In a record:
+
+* a tensor the block made is a :class:`Var` (metadata only, never the tensor);
+* a tensor from outside is an :class:`Input`, a history-free alias that keeps
+  its value alive with the version it was read at;
+* an argument of which the op reads only metadata (``empty_like(x)``) is a
+  :class:`MetaArg`;
+* an in-place write is an entry ``(op index, version after)`` in the
+  ``writes`` of the storage group it writes to (a fresh tensor and its views
+  form one group; its root is the fresh tensor's Var, or an Input); ``None``
+  as the version marks a write that cannot be replayed (a collective's).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Union
+
+import torch
+
+from ._stats import ScopeStats
+from ._torch_compat import alias_in_dispatch
+
+__all__ = ["Var", "Input", "MetaArg", "Frame", "BlockRecord", "OpRecord", "Group", "Ref", "Write"]
+
+Tensor = torch.Tensor
+Write = tuple[int, Union[int, None]]  # (op index, version after; None: not replayable)
+
+
+class Var:
+    """A tensor the block made: where it came from and what it looked like."""
+
+    __slots__ = ("key", "op", "size", "dtype", "device", "version", "root", "writes", "frame")
+
+    def __init__(self, t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> None:
+        self.key = id(t)
+        self.op = op  # index of the op that made it
+        # Jagged nested tensors get a fresh symbolic size on every construction.
+        self.size = t.shape if type(t) is Tensor or not t.is_nested else None
+        self.dtype = t.dtype
+        self.device = t.device
+        self.version = version
+        self.root: Group = self if root is None else root
+        self.writes: list[Write] | tuple[()] = ()  # on roots: the block's writes to the group
+        self.frame = frame  # of the scope that made it (stats, serial)
+
+    def describe(self) -> str:
+        shape = "nested" if self.size is None else str(list(self.size))
+        return f"tensor of shape {shape} ({self.dtype}, {self.device})"
+
+
+class Input:
+    """A tensor from outside the block, kept alive with the version it was read at.
+
+    ``tensor`` is a detached alias (same storage and version counter, no history:
+    holding the tensor itself could close a reference cycle through the autograd
+    graph, which the garbage collector cannot see). ``snapshot``: ``tensor`` is a
+    private copy (R1, or an inference tensor, which has no version counter).
+    """
+
+    __slots__ = ("tensor", "source", "version", "snapshot", "writes")
+
+    def __init__(self, t: Tensor) -> None:
+        self.tensor = alias_in_dispatch(t)
+        self.source = weakref.ref(t)
+        self.snapshot = False
+        self.writes: list[Write] | tuple[()] = ()
+        self.version: int | None
+        try:
+            self.version = t._version
+        except RuntimeError:  # an inference tensor: copy its value now
+            self.version = None
+            self.take_snapshot()
+
+    def take_snapshot(self) -> None:
+        self.tensor = self.tensor.detach().clone(memory_format=torch.preserve_format)
+        self.snapshot = True
+
+    @property
+    def root(self) -> Input:
+        return self
+
+
+Group = Union[Var, Input]
+Ref = Union[Var, Input]
+
+
+class MetaArg:
+    """An argument of which the op reads only metadata: replay passes a fresh
+    uninitialised tensor like it instead of the tensor."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: Tensor) -> None:
+        self.size, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+
+    def empty(self) -> Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+#: ``(func, args, kwargs, rng, outs)``: args hold Refs, MetaArgs and plain values
+#: (lists of them for ``Tensor[]``); ``outs`` one Var or None per output.
+OpRecord = tuple[Any, list[Any], dict[str, Any], Any, tuple[Union[Var, None], ...]]
+
+
+class Frame:
+    """The options and counters of one scope recording into a block (nested
+    scopes record into the enclosing block, each with its own frame)."""
+
+    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "_kept")
+
+    def __init__(
+        self, preserve_rng: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats, serial: int
+    ) -> None:
+        self.preserve_rng = preserve_rng
+        self.save = save
+        self.debug = debug
+        self.stats = stats
+        self.serial = serial
+        self.plain = save is None and not debug  # the hot path applies
+        self._kept: dict[Any, bool] = {}
+
+    def keeps(self, func: Any) -> bool:
+        """Whether the ``save=`` policy stores ``func``'s outputs (asked once per op)."""
+        kept = self._kept.get(func)
+        if kept is None:
+            kept = self._kept[func] = bool(self.save(func))  # type: ignore[misc]
+        return kept
+
+
+class BlockRecord:
+    """The record of one block. ``ops`` only grows while ``open``; then never changes."""
+
+    __slots__ = ("ops", "open", "debug_values", "__weakref__")
+
+    def __init__(self) -> None:
+        self.ops: list[OpRecord] = []
+        self.open = True
+        self.debug_values: dict[Var, Tensor] = {}  # debug=True: what forward computed
+
+    def vars(self) -> list[Var]:
+        return [v for rec in self.ops for v in rec[4] if v is not None]

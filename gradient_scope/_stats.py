@@ -1,0 +1,36 @@
+"""The counters a scope exposes as ``scope.stats``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ScopeStats"]
+
+
+@dataclass
+class ScopeStats:
+    """Counters of one scope, readable after the block and updated in backward.
+
+    Each field has one writer: ``ops_recorded`` is counted by the recorder,
+    ``tensors_packed``/``bytes_packed`` by the pack hook, ``replays``/``ops_replayed``
+    by replay. Under ``torch.compile`` nothing is recorded in Python: the
+    counters of a scope inside compiled code stay 0.
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope import recompute_scope
+        >>> a = torch.randn(4, requires_grad=True)
+        >>> scope = recompute_scope()
+        >>> with scope:
+        ...     x = a.sin()
+        >>> (x * x).sum().backward()
+        >>> scope.stats.ops_recorded, scope.stats.tensors_packed
+        (1, 2)
+    """
+
+    ops_recorded: int = 0  #: operations recorded in the block
+    tensors_packed: int = 0  #: saved-for-backward tensors replaced by handles
+    bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
+    replays: int = 0  #: recomputation passes run
+    ops_replayed: int = 0  #: operations executed by those passes

@@ -1,0 +1,192 @@
+"""Every private PyTorch API the library uses, in one place.
+
+Each name below is read once, at import, so that a PyTorch without it fails
+here with a clear message rather than deep inside a hook. The versions noted
+are those the names exist in (checked on 2.4.0, 2.7.1, 2.8.0, 2.10.0, 2.13.0,
+2.15.0). Optional integrations (FSDP2 in ``_fsdp``, ``torch.compile`` in
+``_compile``) keep their own private imports, behind their own guards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "TORCH_FLOOR",
+    "torch_version",
+    "OpOverload",
+    "HookPair",
+    "push_saved_hooks",
+    "pop_saved_hooks",
+    "top_saved_hooks",
+    "saved_hooks_enabled",
+    "saved_hooks_disabled_message",
+    "current_graph_task",
+    "queue_engine_callback",
+    "sequence_nr",
+    "below_autograd",
+    "without_autocast",
+    "without_python_dispatch",
+    "alias_in_dispatch",
+    "current_dispatch_mode",
+    "dispatch_stack",
+    "set_dispatch_stack",
+    "remove_mode_from_under",
+    "SEEDED_TAG",
+]
+
+#: The oldest PyTorch the library runs on: ``_top_saved_tensors_default_hooks``
+#: (used to hand tensors on to the pair below ours) appeared in 2.8.
+TORCH_FLOOR = (2, 8)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed PyTorch."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+OpOverload = torch._ops.OpOverload
+
+# ---------------------------------------------------------------- saved-tensor hooks
+# The thread-local stack of default (pack, unpack) pairs behind
+# ``torch.autograd.graph.saved_tensors_hooks``. All since 1.x except ``_top``
+# (2.8+).
+
+_A = torch._C._autograd
+HookPair = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+
+push_saved_hooks: Callable[[Any, Any], None] = _A._push_saved_tensors_default_hooks
+#: PyTorch's own pop, captured at import: ``_interception`` may temporarily
+#: replace the module attribute, never this reference.
+pop_saved_hooks: Callable[[], None] = _A._pop_saved_tensors_default_hooks
+_top: Callable[[bool], Any] = _A._top_saved_tensors_default_hooks
+saved_hooks_enabled: Callable[[], bool] = _A._saved_tensors_hooks_is_enabled
+saved_hooks_disabled_message: Callable[[], str] = _A._saved_tensors_hooks_get_disabled_error_message
+
+
+def top_saved_hooks() -> HookPair | None:
+    """The innermost (pack, unpack) pair of this thread, or None."""
+    return _top(False)  # type: ignore[no-any-return]
+
+
+def pop_attribute_owner() -> Any:
+    """The module object whose ``_pop_saved_tensors_default_hooks`` attribute
+    ``saved_tensors_hooks.__exit__`` looks up at call time."""
+    return _A
+
+
+# ---------------------------------------------------------------- autograd engine
+
+current_graph_task: Callable[[], int] = torch._C._current_graph_task_id  # -1 outside backward
+_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def queue_engine_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass ends (inside the engine)."""
+    _engine.queue_callback(fn)
+
+
+#: The sequence number the next autograd node of this thread will get.
+sequence_nr: Callable[[], int] = _A._get_sequence_nr
+
+# ---------------------------------------------------------------- dispatch
+
+#: Ops run below autograd (no graph is built) with grad mode left as it is:
+#: some kernels (``mkldnn_rnn_layer``) return different outputs under no_grad.
+below_autograd = torch._C._AutoDispatchBelowAutograd
+
+_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+for _name in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
+    if hasattr(torch._C.DispatchKey, _name):
+        _autocast = _autocast | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _name))
+_AUTOCAST_KEYS = _autocast
+
+
+def without_autocast() -> Any:
+    """A guard under which autocast does not cast (records are already cast)."""
+    return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
+
+
+#: A guard that skips Python dispatch (modes and subclasses) for plain tensors.
+without_python_dispatch = torch._C._DisableTorchDispatch
+
+_INPLACE_OR_VIEW = torch._C.DispatchKey.ADInplaceOrView
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
+
+def alias_in_dispatch(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()`` sharing ``t``'s version counter, also inside ``__torch_dispatch__``
+    (where the ADInplaceOrView key, which makes detach share it, is excluded)."""
+    if _is_excluded(_INPLACE_OR_VIEW):
+        _set_excluded(_INPLACE_OR_VIEW, False)
+        try:
+            return t.detach()
+        finally:
+            _set_excluded(_INPLACE_OR_VIEW, True)
+    return t.detach()
+
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: E402
+
+current_dispatch_mode: Callable[[], Any] = _get_current_dispatch_mode
+
+
+def dispatch_stack() -> list[Any]:
+    """Pop and return this thread's whole TorchDispatchMode stack, innermost last."""
+    modes = []
+    while torch._C._len_torch_dispatch_stack() > 0:
+        modes.append(torch._C._pop_torch_dispatch_mode(None))
+    modes.reverse()
+    return modes
+
+
+def set_dispatch_stack(modes: list[Any]) -> None:
+    """Push ``modes`` (innermost last) onto this thread's empty mode stack."""
+    for mode in modes:
+        torch._C._push_on_torch_dispatch_stack(mode)
+
+
+# The Python-level flags a TorchDispatchMode saves on entry and restores on exit
+# (the last two exist from 2.9 on).
+_MODE_FLAGS = (
+    ("old_dispatch_mode_flags", "_is_in_torch_dispatch_mode"),
+    ("old_non_infra_dispatch_mode_flags", "_is_in_non_infra_torch_dispatch_mode"),
+    (
+        "old_without_ignore_compile_internals_dispatch_mode_flags",
+        "_is_in_any_mode_without_ignore_compile_internals",
+    ),
+)
+
+
+def remove_mode_from_under(mode: Any) -> None:
+    """Take ``mode`` out of this thread's mode stack while modes entered after it
+    are still active. Those stay; their saved flags are rewritten as if ``mode``
+    had never been entered, so that when they exit, the flags are as before ``mode``."""
+    import torch.utils._python_dispatch as pd
+
+    stack = dispatch_stack()
+    at = next(i for i, m in enumerate(stack) if m is mode)
+    above = stack[at + 1 :]
+    set_dispatch_stack(stack[:at] + above)
+    flags = [getattr(mode, deque_name)[-1] for deque_name, _ in _MODE_FLAGS if getattr(mode, deque_name, None)]
+    for deque_name, _ in _MODE_FLAGS:
+        if getattr(mode, deque_name, None):
+            getattr(mode, deque_name).pop()
+    if len(flags) != len(_MODE_FLAGS) or not hasattr(pd, _MODE_FLAGS[2][1]):
+        return  # an older torch: fewer flags, nothing consistent to rewrite
+    for m in above:
+        for (deque_name, _), value in zip(_MODE_FLAGS, flags):
+            saved = getattr(m, deque_name, None)
+            if saved:
+                saved[-1] = value
+        flags = [True, flags[1] or not m.is_infra_mode(), flags[2] or not m.ignore_compile_internals()]
+    for (_, global_name), value in zip(_MODE_FLAGS, flags):
+        setattr(pd, global_name, value)
+    pd.set_is_in_mode_without_ignore_compile_internals(flags[2])
+
+
+SEEDED_TAG = torch.Tag.nondeterministic_seeded
