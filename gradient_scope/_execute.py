@@ -118,7 +118,7 @@ def run_plan(
             if v is None:
                 e = _LIVE.get(r.key)
                 t = e() if e is not None and e.var is r else None
-                if t is None or t._version != r.version:
+                if t is None or t.is_inference() or t._version != r.version:
                     raise RecomputeError(
                         f"gradient_scope: internal error: no value for a {r.describe()} needed by "
                         f"{func}. Please report this."

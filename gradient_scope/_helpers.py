@@ -16,7 +16,6 @@ import operator
 import weakref
 from typing import Any, Callable, TypeVar
 
-import torch
 import torch.nn as nn
 
 from ._scope import recompute_scope

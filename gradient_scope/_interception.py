@@ -109,7 +109,7 @@ def _is_ours(pair: HookPair | None) -> bool:
 
 def _push_ours(serial: int) -> None:
     top = top_saved_hooks()
-    below = top[0].below if _is_ours(top) else top  # type: ignore[union-attr]
+    below = top[0].below if top is not None and type(top[0]) is _Pack else top
     push_saved_hooks(_Pack(below, serial), _unpack)
 
 

@@ -6,9 +6,10 @@ the record die as soon as backward no longer needs the block). Rules (cited
 as P1..P6):
 
 P1. Only the recorded ops in the dependency closure of the requested value
-    run, in recorded order, below autograd (no graph; grad mode as it is) and
-    with autocast off: the record is already below autocast, so it holds the
-    casts forward made. Random ops run with the generator state they had in
+    run, in recorded order, below autograd (no graph is built) with grad mode
+    on, as in forward (some kernels, e.g. ``mkldnn_rnn_layer``, return fewer
+    outputs under no_grad), and with autocast off: the record is already below
+    autocast, so it holds the casts forward made. Random ops run with the generator state they had in
     forward, inside a fork that restores the ambient state.
 P2. A handle stands for its tensor as autograd saved it: the state of the
     tensor's storage group after every write the block recorded whose version
@@ -127,7 +128,7 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
 
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it."""
-    with _record.paused(), below_autograd():
+    with _record.paused(), torch.enable_grad(), below_autograd():
         t = h.entry()
         if t is not None and t._version != h.version:
             raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
@@ -169,11 +170,12 @@ def _inputs(rec: Any) -> Iterator[Ref]:
 
 
 def _live(var: Var) -> Tensor | None:
-    """The tensor ``var`` stands for, if alive and unchanged."""
+    """The tensor ``var`` stands for, if alive and unchanged (an inference tensor,
+    which has no version counter, is recomputed instead)."""
     e = _LIVE.get(var.key)
     if e is not None and e.var is var:
         t = e()
-        if t is not None and t._version == var.version:
+        if t is not None and not t.is_inference() and t._version == var.version:
             return t
     return None
 

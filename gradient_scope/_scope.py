@@ -11,6 +11,7 @@ from typing import Any, Callable, TypeVar, overload
 import torch
 
 from . import _interception, _record
+from ._recording import Recording
 from ._block import BlockRecord, Frame
 from ._replay import ReplayState
 from ._stats import ScopeStats
@@ -77,7 +78,7 @@ class recompute_scope:
         )
         self._save = as_save_policy(save)
         self._stats = ScopeStats()
-        self._block: _record.Recording | None = None
+        self._block: Recording | None = None
         self._frame: Frame | None = None
         self._nested = False
         self._active = False
@@ -153,11 +154,8 @@ class recompute_scope:
                 "entered inside a recompute_scope before leaving it."
             )
 
-    @overload
-    def __call__(self, fn: F) -> F: ...
-
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return _decorate(fn, self._options)
+    def __call__(self, fn: F) -> F:
+        return _decorate(fn, self._options)  # type: ignore[return-value]
 
 
 def _rebuild_scope(options: dict[str, Any]) -> recompute_scope:

@@ -63,8 +63,8 @@ push_saved_hooks: Callable[[Any, Any], None] = _A._push_saved_tensors_default_ho
 #: replace the module attribute, never this reference.
 pop_saved_hooks: Callable[[], None] = _A._pop_saved_tensors_default_hooks
 _top: Callable[[bool], Any] = _A._top_saved_tensors_default_hooks
-saved_hooks_enabled: Callable[[], bool] = _A._saved_tensors_hooks_is_enabled
-saved_hooks_disabled_message: Callable[[], str] = _A._saved_tensors_hooks_get_disabled_error_message
+saved_hooks_enabled: Callable[[], bool] = _A._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+saved_hooks_disabled_message: Callable[[], str | None] = _A._saved_tensors_hooks_get_disabled_error_message
 
 
 def top_saved_hooks() -> HookPair | None:
@@ -94,8 +94,7 @@ sequence_nr: Callable[[], int] = _A._get_sequence_nr
 
 # ---------------------------------------------------------------- dispatch
 
-#: Ops run below autograd (no graph is built) with grad mode left as it is:
-#: some kernels (``mkldnn_rnn_layer``) return different outputs under no_grad.
+#: A guard under which ops run below autograd: no graph is built, whatever the grad mode.
 below_autograd = torch._C._AutoDispatchBelowAutograd
 
 _autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -139,7 +138,7 @@ def dispatch_stack() -> list[Any]:
     """Pop and return this thread's whole TorchDispatchMode stack, innermost last."""
     modes = []
     while torch._C._len_torch_dispatch_stack() > 0:
-        modes.append(torch._C._pop_torch_dispatch_mode(None))
+        modes.append(torch._C._pop_torch_dispatch_stack(None))
     modes.reverse()
     return modes
 

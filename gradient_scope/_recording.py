@@ -1,0 +1,297 @@
+"""How one op of an open block becomes an entry of its record.
+
+Rules a recording keeps (cited in the code as R1..R6):
+
+R1. A block never holds a tensor whose storage it wrote to: an Input written
+    by the block is replaced by a private copy of its value before the first
+    write, and replay writes into copies of that copy. (BatchNorm running
+    statistics then change once per forward; a view read later from the same
+    storage is copied too.)
+R2. Outputs of ops a ``save=`` policy keeps, of collectives and of higher-order
+    ops are not recorded: they are ordinary tensors, stored by autograd.
+    An op that writes to an argument is always recorded.
+R3. Ops of a backward pass that runs inside an open block belong to that pass,
+    not to the block; ops under ``no_grad`` in the block (an
+    ``autograd.Function`` forward) belong to the block.
+R4. ``dtype=None`` of a factory is recorded as the dtype forward resolved.
+R5. An Input that is another block's live tensor is noted in the registry, so
+    that its value (in memory as long as this block's record lives) is used
+    instead of replaying the other block.
+R6. A write's version is read after the op has returned to autograd, where
+    ADInplaceOrView bumps it (some kernels write without a bump): when the next
+    op is recorded, when a tensor is packed, or when the block closes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _registry, _rng
+from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var
+from ._ops import INPLACE, NEW, VIEW, OpFacts
+from ._registry import _LIVE, Ledger, register
+from ._torch_compat import current_graph_task
+
+__all__ = ["Recording", "NO_KWARGS"]
+
+Tensor = torch.Tensor
+NO_KWARGS: dict[str, Any] = {}  # shared, never written
+
+
+class _Inputs:
+    """The tensors from outside an open block that it reads (R1, R5)."""
+
+    __slots__ = ("cache", "written")
+
+    def __init__(self) -> None:
+        self.cache: dict[int, Input] = {}  # by id(tensor), while it is unchanged
+        self.written: set[int] = set()  # storages the block wrote to (R1)
+
+    def of(self, t: Tensor, entry: _registry.Entry | None) -> Input:
+        """The Input standing for ``t`` (``entry``: t's registry entry if another block made it)."""
+        key = id(t)
+        inp = self.cache.get(key)
+        if inp is not None and inp.source() is t and inp.version == t._version:
+            return inp
+        inp = Input(t)
+        if not inp.snapshot:
+            if self.written and _storage_key(t) in self.written:
+                inp.take_snapshot()  # R1
+            else:
+                self.cache[key] = inp
+                if entry is not None and entry() is t:
+                    _registry.note_alias(entry, inp.tensor)  # R5
+        return inp
+
+    def before_write(self, root: Input) -> None:
+        """R1: the block is about to write to ``root``'s storage: copy every Input of it."""
+        key = _storage_key(root.tensor)
+        if key is not None:
+            self.written.add(key)
+            for k, inp in list(self.cache.items()):
+                if _storage_key(inp.tensor) == key:
+                    inp.take_snapshot()
+                    del self.cache[k]
+        if not root.snapshot:
+            root.take_snapshot()
+
+
+class Recording:
+    """The recorder's state for one open block; discarded when the block closes."""
+
+    __slots__ = (
+        "record_",
+        "owner",
+        "ledger",
+        "task",
+        "frames",
+        "starts",
+        "frame",
+        "inputs",
+        "counted",
+        "unsettled",
+    )
+
+    def __init__(self, record: BlockRecord, owner: Any, frame: Frame, lg: Ledger) -> None:
+        self.record_ = record
+        self.owner = owner  # the block's replay state: its tensors' registry entries point to it
+        self.ledger = lg
+        self.task = current_graph_task()  # R3: the backward pass it was opened in (-1: none)
+        self.frames = [frame]
+        self.starts = [0]  # op index at which each frame began
+        self.frame = frame  # the innermost scope's
+        self.inputs = _Inputs()
+        self.counted = 0  # ops already counted into some frame's stats
+        # Writes of the last op, whose versions are not bumped yet (R6).
+        self.unsettled: list[tuple[Group, Tensor, int]] = []
+
+    # -- nested scopes
+
+    def _count(self) -> None:
+        n = len(self.record_.ops)
+        self.frame.stats.ops_recorded += n - self.counted
+        self.counted = n
+
+    def push(self, frame: Frame) -> None:
+        self._count()
+        self.frames.append(frame)
+        self.starts.append(len(self.record_.ops))
+        self.frame = frame
+
+    def pop(self, aborted: bool) -> None:
+        self._count()
+        self.frames.pop()
+        start = self.starts.pop()
+        self.frame = self.frames[-1]
+        if aborted:  # tensors of a scope that raised are ordinary tensors from now on
+            _registry.forget([v for rec in self.record_.ops[start:] for v in rec[4] if v is not None])
+
+    def settle(self) -> None:
+        """R6: note the version each write of the last op left its tensor at."""
+        for root, t, index in self.unsettled:
+            self._add_write(root, index, t._version)
+        self.unsettled.clear()
+
+    def close(self, aborted: bool) -> None:
+        self.settle()
+        self._count()
+        self.record_.open = False
+        self.inputs = _Inputs()
+        if aborted:
+            _registry.forget(self.record_.vars())
+
+    # -- arguments
+
+    def refs(self, args: tuple[Any, ...] | list[Any]) -> list[Any]:
+        """The recorded form of positional arguments: Vars, Inputs, plain values."""
+        live_get = _LIVE.get
+        owner = self.owner
+        out: list[Any] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                e = live_get(id(a))
+                if e is not None and e.block is owner and e() is a:
+                    out.append(e.var)
+                else:
+                    out.append(self.inputs.of(a, e))
+            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                out.append([self.ref(x) if isinstance(x, Tensor) else x for x in a])
+            else:
+                out.append(a)
+        return out
+
+    def ref(self, t: Tensor) -> Ref:
+        e = _LIVE.get(id(t))
+        if e is not None and e.block is self.owner and e() is t:
+            return e.var  # type: ignore[no-any-return]
+        return self.inputs.of(t, e)
+
+    # -- ops
+
+    def record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run and record one op (every op the hot path does not take)."""
+        frame = self.frame
+        if f.never_replay or (frame.save is not None and not f.writes and frame.keeps(func)):
+            pre = self._before_writes(f, args, kwargs) if f.writes else None
+            out = func(*args, **kwargs)  # R2: not recorded
+            for root, _ in pre or ():
+                self._add_write(root, len(self.record_.ops), None)
+            return out
+        rargs = self.refs(args)
+        if f.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
+            rargs[0] = MetaArg(args[0])
+        rkwargs = NO_KWARGS
+        if kwargs:
+            rkwargs = {}
+            for k, a in kwargs.items():
+                if isinstance(a, Tensor):
+                    a = self.ref(a)
+                elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                    a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
+                rkwargs[k] = a
+        rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
+        pre = self._before_writes(f, args, kwargs) if f.writes else None
+
+        out = func(*args, **kwargs)
+
+        ops = self.record_.ops
+        index = len(ops)
+        for root, t in pre or ():
+            self.unsettled.append((root, t, index))
+        if isinstance(out, Tensor):
+            outs: tuple[Var | None, ...] = (self._out(out, f, 0, args, kwargs, rargs, rkwargs, index),)
+        elif isinstance(out, (tuple, list)):
+            outs = tuple(
+                self._out(o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
+                for i, o in enumerate(out)
+            )
+        else:
+            outs = ()
+        if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
+            rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
+        ops.append((func, rargs, rkwargs, rng, outs))
+        return out
+
+    def _before_writes(self, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, Tensor]]:
+        """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
+        out: list[tuple[Group, Tensor]] = []
+        for w in f.writes:
+            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+            if not isinstance(t, Tensor):
+                continue
+            root = self.ref(t).root
+            if isinstance(root, Input) and not root.snapshot:
+                self.inputs.before_write(root)
+            out.append((root, t))
+        return out
+
+    @staticmethod
+    def _add_write(root: Group, index: int, version: int | None) -> None:
+        if not root.writes:
+            root.writes = []
+        root.writes.append((index, version))  # type: ignore[union-attr]
+
+    def _out(
+        self,
+        t: Tensor,
+        f: OpFacts,
+        i: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rargs: list[Any],
+        rkwargs: dict[str, Any],
+        index: int,
+    ) -> Var | None:
+        kind = f.out_kind(i)
+        if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
+            return None  # not a new tensor
+        root: Group | None = None
+        version = 0
+        if kind == VIEW:
+            where = f.view_arg(i)
+            src = rkwargs.get(where) if isinstance(where, str) else (rargs[where] if where < len(rargs) else None)
+            if isinstance(src, list):  # Tensor[] arguments (cat-like views are not a thing)
+                src = src[0] if src else None
+            if isinstance(src, (Var, Input)):
+                root = src.root
+            version = _version(t)
+        elif kind != NEW:  # pragma: no cover
+            raise AssertionError(kind)
+        var = Var(t, index, self.frame, root, version)
+        if self.frame.debug and not f.uninitialized:
+            self.record_.debug_values[var] = t.detach().clone()
+        register(t, var, self.owner, self.frame.serial, self.ledger)
+        return var
+
+
+def _has_tensor(seq: Any) -> bool:
+    for x in seq:
+        if isinstance(x, Tensor):
+            return True
+    return False
+
+
+def _is_arg(t: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``t`` is one of the op's own arguments (an op that returned an input)."""
+    for a in (*args, *kwargs.values()):
+        if a is t or ((type(a) is list or type(a) is tuple) and any(x is t for x in a)):
+            return True
+    return False
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return 0
+
+
+def _storage_key(t: Tensor) -> int | None:
+    """The address of ``t``'s storage; None for tensors without one (sparse) or freed."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
