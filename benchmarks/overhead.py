@@ -1,7 +1,7 @@
-"""Per-op overhead microbenchmark.
+"""Per-op overhead microbenchmark: recording (forward) and replay (backward).
 
-A chain of ``n`` tiny ops (``h = h * 1.0001`` on an 8-element tensor that requires grad)
-is timed with
+**Recording.** A chain of ``n`` tiny ops (``h = h * 1.0001`` on an 8-element tensor that
+requires grad) is timed with
 
 * ``none``        no mode at all;
 * ``nop_mode``    under a do-nothing ``TorchDispatchMode`` (the floor for any
@@ -15,10 +15,21 @@ forward only and forward + backward (``h.sum().backward()``); and under
 ``torch.no_grad()`` (``none`` vs a ``recompute_scope`` entered under no_grad, and, for
 information, a scope entered with grad enabled around a ``no_grad`` chain).
 
+**Replay.** The program ``out = chain(x) * w`` (``w`` an 8-element leaf that requires
+grad, so the final ``mul`` saves the chain's last tensor) runs with no region
+(``none/bwd``), inside ``with recompute_scope():`` (``scope/bwd``: backward needs the
+chain's last tensor, so the scope replays all ``n`` ops) and inside
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (``checkpoint/bwd``: the
+saved tensor belongs to the checkpointed region, so backward reruns the whole function,
+with autograd on). Only ``out.sum().backward()`` is timed. The recomputation costs
+``(x/bwd - none/bwd)`` per op; the **replay overhead** per op is that minus the cost of
+running the same op eagerly under ``torch.no_grad()`` (``none/no_grad``), and its ratio to
+the cost a do-nothing ``TorchDispatchMode`` adds per op under no_grad
+(``nop_mode/no_grad - none/no_grad``) puts it on the same scale as the recording ratio.
+
 Rounds are interleaved (every configuration once per round, in rotated order); per
 configuration the median over rounds of the time per op is reported in microseconds,
-and the overhead ratios ``(x - none) / (nop_mode - none)`` as the median over rounds of
-the per-round ratio.
+and the overhead ratios as the median over rounds of the per-round ratio.
 
 Run alone: ``python -m benchmarks.overhead [--ops 1000] [--rounds 15]``.
 """
@@ -40,6 +51,8 @@ from torch.utils.checkpoint import (
 )
 
 from gradient_scope import recompute_scope
+
+from ._common import frozen_gc, interleaved_rounds
 
 __all__ = ["run_overhead", "NopMode", "MATMUL_OPS", "sac_policy"]
 
@@ -83,7 +96,41 @@ def _chain(h: torch.Tensor, n: int) -> torch.Tensor:
     return h
 
 
-def _configs(n: int) -> dict[str, Callable[[torch.Tensor], None]]:
+def _chain_times(h: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+    """The replay program: ``mul`` by ``w`` saves the chain's last tensor for w's grad."""
+    return _chain(h, n) * w
+
+
+Config = Callable[[torch.Tensor], float]
+
+
+def _whole(fn: Callable[[torch.Tensor], Any]) -> Config:
+    """A configuration timed as a whole call."""
+
+    def run(x: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        fn(x)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _backward_only(forward: Callable[[torch.Tensor], torch.Tensor]) -> Config:
+    """A configuration of which only ``forward(x).sum().backward()``'s backward is timed."""
+
+    def run(x: torch.Tensor) -> float:
+        loss = forward(x).sum()
+        t0 = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _configs(n: int, w: torch.Tensor, scopes: list[recompute_scope]) -> dict[str, Config]:
+    """The configurations, each ``x -> seconds measured``. ``scopes`` is set to the latest
+    replay scope (its stats show whether backward replayed the chain)."""
+
     def none_fwd(x):
         _chain(x, n)
 
@@ -118,6 +165,10 @@ def _configs(n: int) -> dict[str, Callable[[torch.Tensor], None]]:
         with torch.no_grad():
             _chain(x, n)
 
+    def nop_nograd(x):
+        with torch.no_grad(), NopMode():
+            _chain(x, n)
+
     def scope_nograd(x):
         with torch.no_grad():
             with recompute_scope():
@@ -128,42 +179,72 @@ def _configs(n: int) -> dict[str, Callable[[torch.Tensor], None]]:
             with torch.no_grad():
                 _chain(x, n)
 
+    def none_replay_fwd(x):
+        return _chain_times(x, w, n)
+
+    def scope_replay_fwd(x):
+        scope = recompute_scope()
+        scopes[:] = [scope]  # only the latest: an old scope must not keep its record alive
+        with scope:
+            return _chain_times(x, w, n)
+
+    def checkpoint_replay_fwd(x):
+        return checkpoint(_chain_times, x, w, n, use_reentrant=False)
+
     return {
-        "none/fwd": none_fwd,
-        "nop_mode/fwd": nop_fwd,
-        "sac/fwd": sac_fwd,
-        "scope/fwd": scope_fwd,
-        "none/fwd+bwd": none_fb,
-        "nop_mode/fwd+bwd": nop_fb,
-        "sac/fwd+bwd": sac_fb,
-        "scope/fwd+bwd": scope_fb,
-        "none/no_grad": none_nograd,
-        "scope/no_grad": scope_nograd,
-        "scope_around/no_grad": scope_around_nograd,
+        "none/fwd": _whole(none_fwd),
+        "nop_mode/fwd": _whole(nop_fwd),
+        "sac/fwd": _whole(sac_fwd),
+        "scope/fwd": _whole(scope_fwd),
+        "none/fwd+bwd": _whole(none_fb),
+        "nop_mode/fwd+bwd": _whole(nop_fb),
+        "sac/fwd+bwd": _whole(sac_fb),
+        "scope/fwd+bwd": _whole(scope_fb),
+        "none/no_grad": _whole(none_nograd),
+        "nop_mode/no_grad": _whole(nop_nograd),
+        "scope/no_grad": _whole(scope_nograd),
+        "scope_around/no_grad": _whole(scope_around_nograd),
+        "none/bwd": _backward_only(none_replay_fwd),
+        "scope/bwd": _backward_only(scope_replay_fwd),
+        "checkpoint/bwd": _backward_only(checkpoint_replay_fwd),
     }
 
 
 def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[str, Any]:
-    configs = _configs(n_ops)
-    names = list(configs)
+    """Time every configuration ``rounds`` times (interleaved); see the module docstring.
+
+    Returns ``us_per_op`` (median per configuration), ``overhead_us_per_op`` (median of
+    per-round differences to the matching ``none``), ``ratio_vs_nop_mode`` (recording),
+    ``replay`` (recomputation and replay overhead per op, scope and checkpoint) and every
+    per-round value.
+    """
     x = torch.ones(8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    scopes: list[recompute_scope] = []
+    configs = _configs(n_ops, w, scopes)
     for _ in range(warmup):
         for fn in configs.values():
             fn(x)
-    per_round: dict[str, list[float]] = {k: [] for k in names}
-    gc.collect()
-    gc.freeze()  # keep the per-run gc.collect() cheap (see run.py)
-    try:
-        for r in range(rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for name in order:
-                gc.collect()
-                t0 = time.perf_counter()
-                configs[name](x)
-                dt = time.perf_counter() - t0
-                per_round[name].append(dt / n_ops * 1e6)  # us per op
-    finally:
-        gc.unfreeze()
+    # The measurement is only one of replay if backward did replay the whole chain.
+    replayed = scopes[-1].stats.ops_replayed if scopes else 0
+    if replayed < n_ops:
+        raise RuntimeError(
+            f"overhead benchmark: the scope replayed {replayed} ops in backward, expected at "
+            f"least {n_ops}: the replay measurement would not measure replay"
+        )
+    scopes.clear()
+
+    def collected(fn: Config) -> Callable[[], float]:
+        def run() -> float:
+            gc.collect()
+            return fn(x)
+
+        return run
+
+    with frozen_gc():  # keep the per-run gc.collect() cheap
+        per_round_s = interleaved_rounds({k: collected(fn) for k, fn in configs.items()}, rounds)
+    scopes.clear()
+    per_round = {k: [dt / n_ops * 1e6 for dt in v] for k, v in per_round_s.items()}  # us per op
     us = {k: statistics.median(v) for k, v in per_round.items()}
 
     def ratio(num: str, base: str, floor: str) -> float | None:
@@ -175,6 +256,24 @@ def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[s
 
     def delta(num: str, base: str) -> float:
         return statistics.median(a - b for a, b in zip(per_round[num], per_round[base]))
+
+    def replay_stats(region: str) -> dict[str, float | None]:
+        # Per round: recomputation per op, its excess over the eager no_grad op, and that
+        # excess over the do-nothing mode's per-op cost.
+        rec, over, rat = [], [], []
+        for i in range(len(per_round["none/bwd"])):
+            r = per_round[f"{region}/bwd"][i] - per_round["none/bwd"][i]
+            o = r - per_round["none/no_grad"][i]
+            floor = per_round["nop_mode/no_grad"][i] - per_round["none/no_grad"][i]
+            rec.append(r)
+            over.append(o)
+            if floor > 0:
+                rat.append(o / floor)
+        return {
+            "recompute_us_per_op": statistics.median(rec),
+            "overhead_us_per_op": statistics.median(over),
+            "ratio_vs_nop_mode": statistics.median(rat) if rat else None,
+        }
 
     ratios = {
         "scope/fwd": ratio("scope/fwd", "none/fwd", "nop_mode/fwd"),
@@ -189,8 +288,11 @@ def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[s
         "nop_mode/fwd+bwd": delta("nop_mode/fwd+bwd", "none/fwd+bwd"),
         "sac/fwd+bwd": delta("sac/fwd+bwd", "none/fwd+bwd"),
         "scope/fwd+bwd": delta("scope/fwd+bwd", "none/fwd+bwd"),
+        "nop_mode/no_grad": delta("nop_mode/no_grad", "none/no_grad"),
         "scope/no_grad": delta("scope/no_grad", "none/no_grad"),
         "scope_around/no_grad": delta("scope_around/no_grad", "none/no_grad"),
+        "scope/bwd": delta("scope/bwd", "none/bwd"),
+        "checkpoint/bwd": delta("checkpoint/bwd", "none/bwd"),
     }
     return {
         "n_ops": n_ops,
@@ -198,14 +300,23 @@ def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[s
         "us_per_op": us,
         "overhead_us_per_op": overhead_us,
         "ratio_vs_nop_mode": ratios,
+        "replay": {
+            "scope": replay_stats("scope"),
+            "checkpoint": replay_stats("checkpoint"),
+            "eager_no_grad_us_per_op": us["none/no_grad"],
+            "nop_mode_no_grad_overhead_us_per_op": overhead_us["nop_mode/no_grad"],
+            "scope_ops_replayed_per_backward": replayed,
+        },
         "per_round_us_per_op": per_round,
     }
 
 
 def format_overhead(res: dict[str, Any]) -> str:
+    """Markdown tables of a :func:`run_overhead` result (recording, then replay)."""
     lines = [
         f"per-op overhead: {res['n_ops']} x `h = h * 1.0001` (8 elements, requires grad), "
-        f"median of {res['rounds']} interleaved rounds",
+        f"median of {res['rounds']} interleaved rounds; `*/bwd`: only the backward of "
+        "`(chain(x) * w).sum()` is timed",
         "",
         "| configuration | us/op | overhead us/op (vs none) | (x - none)/(nop_mode - none) |",
         "| --- | ---: | ---: | ---: |",
@@ -216,6 +327,25 @@ def format_overhead(res: dict[str, Any]) -> str:
         lines.append(
             f"| {k} | {v:.2f} | {'' if ov is None else f'{ov:+.2f}'} | {'' if r is None else f'{r:.2f}x'} |"
         )
+    rp = res.get("replay")
+    if rp:
+        lines += [
+            "",
+            f"replay: backward recomputes the chain ({rp['scope_ops_replayed_per_backward']} ops replayed "
+            f"by the scope per backward); eager op under no_grad: {rp['eager_no_grad_us_per_op']:.2f} us; "
+            f"a do-nothing mode adds {rp['nop_mode_no_grad_overhead_us_per_op']:.2f} us per op under no_grad",
+            "",
+            "| region | recomputation us/op (x/bwd - none/bwd) | overhead us/op (minus eager no_grad op) "
+            "| overhead / do-nothing mode's |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for region in ("scope", "checkpoint"):
+            v = rp[region]
+            r = v["ratio_vs_nop_mode"]
+            lines.append(
+                f"| {region} | {v['recompute_us_per_op']:.2f} | {v['overhead_us_per_op']:+.2f} "
+                f"| {'' if r is None else f'{r:.2f}x'} |"
+            )
     return "\n".join(lines)
 
 

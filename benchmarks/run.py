@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -23,9 +19,20 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import gradient_scope
 from gradient_scope import recompute_scope
 
+from ._common import (
+    KiB,
+    MiB,
+    fmt_mib as _mib,
+    fmt_x as _x,
+    frozen_gc,
+    interception_gone as _interception_gone,
+    interleaved_rounds,
+    load_average,
+    machine_info,
+    ratio_summary,
+)
 from .ideal import BlockAccounting
 from .memory import measure
 from .model import GPT, GPTConfig, make_batch
@@ -73,9 +80,6 @@ QUICK = dict(
     threads=1,
 )
 
-MiB = 2**20
-KiB = 2**10
-
 
 # ---------------------------------------------------------------------- strategies
 
@@ -121,15 +125,6 @@ def apply_strategy(
         model.act_ctx = lambda kind: new_scope() if kind == "mlp_act" else contextlib.nullcontext()
     else:
         raise ValueError(f"unknown strategy {name!r}")
-
-
-def _interception_gone() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return (
-        torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        and _get_current_dispatch_mode() is None
-    )
 
 
 class Bench:
@@ -220,13 +215,6 @@ class Bench:
         return res
 
 
-def _quartiles(v: list[float]) -> tuple[float, float]:
-    if len(v) < 2:
-        return (v[0], v[0])
-    q = statistics.quantiles(v, n=4, method="inclusive")
-    return (q[0], q[2])
-
-
 def run_suite(
     cfg: GPTConfig,
     device: str,
@@ -241,15 +229,8 @@ def run_suite(
     timed = strategies + ([AA] if aa else [])
     for name in timed:  # warm-up (allocator, lazy init, lazy imports, op caches)
         bench.timed_step(name)
-    # Everything alive now (torch's modules, the model) is moved out of the collector's
-    # sight: the gc.collect() before each measured step then takes microseconds instead
-    # of ~0.1-0.2 s (torch.utils.checkpoint's lazy imports alone add ~100k objects).
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_gc():  # keeps the gc.collect() before each measured step cheap
         return _run_suite(bench, strategies, timed, rounds, ideal)
-    finally:
-        gc.unfreeze()
 
 
 def _run_suite(bench: Bench, strategies: list[str], timed: list[str], rounds: int, ideal: bool) -> dict:
@@ -269,22 +250,9 @@ def _run_suite(bench: Bench, strategies: list[str], timed: list[str], rounds: in
         del grads
     del plain_grads
     # Timing: interleaved rounds, order rotated each round.
-    times: dict[str, list[float]] = {k: [] for k in timed}
-    for rd in range(rounds):
-        k = rd % len(timed)
-        for name in timed[k:] + timed[:k]:
-            times[name].append(bench.timed_step(name))
-    for name in timed:
-        t = times[name]
-        r = res.setdefault(name, {})
-        r["times_s"] = t
-        r["time_median_s"] = statistics.median(t)
-        r["time_quartiles_s"] = _quartiles(t)
-        for base in ("plain", "checkpoint"):
-            if base in times:
-                ratios = [a / b for a, b in zip(t, times[base])]
-                r[f"ratio_vs_{base}"] = statistics.median(ratios)
-                r[f"ratio_vs_{base}_quartiles"] = _quartiles(ratios)
+    times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
+    for name, summary in ratio_summary(times).items():
+        res.setdefault(name, {}).update(summary)
     if ideal and "plain" in res:
         plain_acct = bench.block_accounting("plain")
         res["plain"]["saved_bytes_distinct"] = plain_acct["saved_bytes"]
@@ -318,58 +286,6 @@ def run_scaling(
 
 
 # ---------------------------------------------------------------------- report
-
-
-def machine_info(device: str) -> dict[str, Any]:
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info: dict[str, Any] = {
-        "cpu_model": cpu or platform.processor() or None,
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "gradient_scope": getattr(gradient_scope, "__version__", None),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    try:
-        info["load_average_at_start"] = list(os.getloadavg())
-    except OSError:
-        pass
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "gradient_scope"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        info["git_commit"] = head + (" (gradient_scope/ modified)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def _mib(b: float | None) -> str:
-    return "" if b is None else f"{b / MiB:.2f}"
-
-
-def _x(v: float | None) -> str:
-    return "" if v is None else f"{v:.3f}x"
 
 
 def compute_targets(main: dict[str, Any], overhead: dict[str, Any] | None, device: str) -> list[dict]:
@@ -423,6 +339,19 @@ def compute_targets(main: dict[str, Any], overhead: dict[str, Any] | None, devic
             ov["scope/no_grad"] <= 1.0,
             f"scope entered with grad on around a no_grad chain: {ov['scope_around/no_grad']:.2f} us/op",
         )
+        rp = overhead.get("replay")
+        if rp:
+            sc, ck = rp["scope"], rp["checkpoint"]
+            r = sc["ratio_vs_nop_mode"]
+            add(
+                "replay overhead per op measured (no target set)",
+                f"{sc['overhead_us_per_op']:+.2f} us over the eager no_grad op"
+                + ("" if r is None else f" ({r:.2f}x a do-nothing mode's per-op cost)"),
+                None,
+                f"recomputation per op: scope {sc['recompute_us_per_op']:.2f} us, "
+                f"torch checkpoint's rerun {ck['recompute_us_per_op']:.2f} us; "
+                f"eager op under no_grad {rp['eager_no_grad_us_per_op']:.2f} us",
+            )
     diffs = {k: v.get("grad_max_abs_diff") for k, v in s.items() if v.get("grad_max_abs_diff") is not None}
     if diffs:
         worst = max(diffs.values())
@@ -777,10 +706,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _print_table(f"scaling: {sc['axis']}", scaling_markdown(sc))
 
     targets = compute_targets(main_res, overhead, dev_name)
-    try:
-        machine["load_average_at_end"] = list(os.getloadavg())
-    except OSError:
-        pass
+    la = load_average()
+    if la is not None:
+        machine["load_average_at_end"] = la
     results = {
         "argv": argv,
         "quick": a.quick,
