@@ -33,7 +33,7 @@ Write = tuple[int, Union[int, None]]  # (op index, version after; None: not repl
 class Var:
     """A tensor the block made: where it came from and what it looked like."""
 
-    __slots__ = ("key", "op", "size", "dtype", "device", "version", "root", "writes", "frame")
+    __slots__ = ("key", "op", "size", "dtype", "device", "version", "base", "writes", "frame")
 
     def __init__(self, t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> None:
         self.key = id(t)
@@ -43,9 +43,16 @@ class Var:
         self.dtype = t.dtype
         self.device = t.device
         self.version = version
-        self.root: Group = self if root is None else root
+        # The group's root, when not this Var itself (a Var must not refer to
+        # itself: a reference cycle would leave its block to the garbage collector).
+        self.base: Group | None = root
         self.writes: list[Write] | tuple[()] = ()  # on roots: the block's writes to the group
         self.frame = frame  # of the scope that made it (stats, serial)
+
+    @property
+    def root(self) -> Group:
+        """The root of this Var's storage group (itself for a fresh tensor)."""
+        return self if self.base is None else self.base
 
     def describe(self) -> str:
         shape = "nested" if self.size is None else str(list(self.size))

@@ -133,9 +133,12 @@ def run_plan(
             return v
         if isinstance(r, MetaArg):
             return r.empty()
-        if isinstance(r, list):
-            return [value_of(x, func) for x in r]
         return r
+
+    # (value_of must not call itself: a closure that refers to its own cell is a
+    # reference cycle, which would keep env and cache alive until gc runs.)
+    def arg(r: Any, func: Any) -> Any:
+        return [value_of(x, func) for x in r] if isinstance(r, list) else value_of(r, func)
 
     stats = target.frame.stats
     debug_values = record.debug_values
@@ -143,8 +146,8 @@ def run_plan(
     with without_autocast():
         for i in plan:
             func, rargs, rkwargs, rng, outs = ops[i]
-            args = [value_of(a, func) for a in rargs]
-            kwargs = {k: value_of(a, func) for k, a in rkwargs.items()} if rkwargs else {}
+            args = [arg(a, func) for a in rargs]
+            kwargs = {k: arg(a, func) for k, a in rkwargs.items()} if rkwargs else {}
             try:
                 out = _rng.replay_with_state(rng, func, args, kwargs) if rng is not None else func(*args, **kwargs)
             except RecomputeError:

@@ -29,6 +29,11 @@ P5. Every replayed output is checked against forward's shape, dtype and device
 P6. An outside tensor the block read must be unchanged: same version and same
     storage. A freed storage is handed to the registered freed-storage
     handlers (FSDP2 re-gathers its parameters) before it is an error.
+P7. A closed block's record (its ops and the aliases of its inputs) lives only
+    as long as one of its handles: when autograd has released the last one,
+    backward needs the block no more and the record is released, also while
+    some of the block's tensors live on (a key/value cache). Such a tensor,
+    saved after that, is stored.
 """
 
 from __future__ import annotations
@@ -116,6 +121,13 @@ class Handle:
     def unpack(self) -> Tensor:
         return materialize(self)
 
+    def __del__(self) -> None:
+        # Autograd released this saved tensor (P7). At interpreter shutdown the
+        # slots may already be cleared.
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.dropped()
+
 
 _freed_storage_handlers: list[Callable[[Tensor], bool]] = []
 
@@ -133,7 +145,11 @@ def materialize(h: Handle) -> Tensor:
         if t is not None and t._version != h.version:
             raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
         t = value_in_memory(h.entry, h.version)
-        value = t.detach() if t is not None else h.state.replay(h)
+        if t is not None:
+            h.state.served(h)
+            value = t.detach()
+        else:
+            value = h.state.replay(h)
         if h.view is not None:
             value = h.view.apply(value)
         if h.check is not None and not _same(value, h.check):
@@ -208,26 +224,37 @@ def _closure(record: BlockRecord, var: Var, bound: int, available: Callable[[Var
 
 
 class _Pass:
-    """Replay state of one block within one backward pass (P4)."""
+    """Replay state of one block within one backward pass (P4). It holds handles
+    weakly: a handle autograd drops unserved releases what it held at the next serve."""
 
     __slots__ = ("task", "cache", "refs", "holds", "pending")
 
-    def __init__(self, task: int, pending: Any) -> None:
+    def __init__(self, task: int, pending: weakref.WeakSet[Handle]) -> None:
         self.task = task
         # Values keyed by (var, number of its group's writes applied).
         self.cache: dict[tuple[Var, int], Tensor] = {}
-        self.refs: dict[tuple[Var, int], int] = {}  # pending handles holding each entry
-        self.holds: dict[Handle, list[tuple[Var, int]]] = {}
-        self.pending: set[Handle] = set(pending)
+        self.refs: dict[tuple[Var, int], int] = {}  # holders of each entry
+        self.holds: dict[int, tuple[weakref.ref[Handle], list[tuple[Var, int]]]] = {}
+        self.pending: weakref.WeakSet[Handle] = weakref.WeakSet(pending)
 
     def hold(self, h: Handle, key: tuple[Var, int], value: Tensor) -> None:
         self.cache[key] = value
-        self.holds.setdefault(h, []).append(key)
+        held = self.holds.get(id(h))
+        if held is None or held[0]() is not h:
+            held = self.holds[id(h)] = (weakref.ref(h), [])
+        held[1].append(key)
         self.refs[key] = self.refs.get(key, 0) + 1
 
     def serve(self, h: Handle) -> None:
         self.pending.discard(h)
-        for key in self.holds.pop(h, ()):
+        held = self.holds.get(id(h))
+        if held is not None and held[0]() is h:
+            self._release(id(h))
+        for hid in [hid for hid, (ref, _) in self.holds.items() if ref() is None]:
+            self._release(hid)
+
+    def _release(self, hid: int) -> None:
+        for key in self.holds.pop(hid)[1]:
             n = self.refs[key] - 1
             if n:
                 self.refs[key] = n
@@ -240,12 +267,13 @@ class ReplayState:
     """Replay bookkeeping of one block: its pending handles, the current pass's
     cache, memoised closures. Only this class writes them, under ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "current", "closures", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "closures", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
-        self.record = record
+        self.record: BlockRecord | None = record  # None once released (P7)
         self.lock = threading.RLock()  # backward may run in another thread
         self.pending: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.closures: dict[Var, frozenset[int]] = {}
 
@@ -255,6 +283,8 @@ class ReplayState:
         root = var.root
         if isinstance(root, Input):
             return None  # a view of an outside tensor: storing it costs nothing extra
+        if self.record is None:
+            return None  # released (P7): the block cannot be replayed any more
         v = t._version
         writes = root.writes
         if v != (writes[-1][1] if writes else var.version):
@@ -263,6 +293,7 @@ class ReplayState:
         h = Handle(self, entry, var, v, view, check)
         with self.lock:
             self.pending.add(h)
+            self.handles += 1
         stats = var.frame.stats
         stats.tensors_packed += 1
         stats.bytes_packed += t.numel() * t.element_size()
@@ -281,6 +312,8 @@ class ReplayState:
             if post > h.version:
                 raise inplace_error(var.describe(), h.version, post)
         record = self.record
+        if record is None:  # P7: a live handle keeps its record
+            raise RecomputeError("gradient_scope: internal error: a block record was released early. Please report this.")
         with self.lock:
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None
@@ -299,7 +332,7 @@ class ReplayState:
             plan = sorted(_closure(record, var, bound, available))
             if ps is None:
                 return run_plan(record, plan, var, cache, (), {}, self._freed)
-            targets, frontier = self._wanted(ps, h, set(plan))
+            targets, frontier = self._wanted(record, ps, h, set(plan))
             produced: dict[Var, Tensor] = {}
             value = run_plan(record, plan, var, cache, targets.keys() | frontier.keys(), produced, self._freed)
             for n, v in produced.items():
@@ -312,7 +345,23 @@ class ReplayState:
             self._served(ps, h)
             return value
 
+    def dropped(self) -> None:
+        """A handle died: once none is left after the block closed, release the record (P7)."""
+        with self.lock:
+            self.handles -= 1
+            if self.handles == 0 and self.record is not None and not self.record.open:
+                self.record = None
+                self.current = None
+                self.closures = {}
+
     # -- P4 bookkeeping
+
+    def served(self, h: Handle) -> None:
+        """``h`` was served without a replay (its value is in memory)."""
+        with self.lock:
+            ps = self.current
+            if ps is not None and ps.task == current_graph_task():
+                self._served(ps, h)
 
     def _pass(self, task: int) -> _Pass:
         ps = self.current
@@ -338,22 +387,24 @@ class ReplayState:
         if not ps.pending:
             self.current = None  # nothing left to serve in this pass: free the cache
 
-    def _wanted(self, ps: _Pass, h: Handle, plan: set[int]) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
+    def _wanted(
+        self, record: BlockRecord, ps: _Pass, h: Handle, plan: set[int]
+    ) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
         """What the other pending handles will ask for that this plan makes: their
         own values (targets), and values their own replays would read (frontier)."""
         targets: dict[Var, list[Handle]] = {}
         frontier: dict[Var, list[Handle]] = {}
-        ops = self.record.ops
-        for h2 in ps.pending:
+        ops = record.ops
+        for h2 in list(ps.pending):
             if h2 is h:
                 continue
             n2 = h2.var
-            if (n2, len(n2.root.writes)) in ps.cache:
+            if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
                 continue
             if n2.op in plan:
                 targets.setdefault(n2, []).append(h2)
                 continue
-            for i in self._closure_of(n2):
+            for i in self._closure_of(record, n2):
                 if i in plan:
                     continue
                 for r in _inputs(ops[i]):
@@ -361,8 +412,7 @@ class ReplayState:
                         frontier.setdefault(r, []).append(h2)
         return targets, frontier
 
-    def _closure_of(self, var: Var) -> frozenset[int] | set[int]:
-        record = self.record
+    def _closure_of(self, record: BlockRecord, var: Var) -> frozenset[int] | set[int]:
         if record.open:
             return _closure(record, var, len(record.ops), None)
         ops = self.closures.get(var)
