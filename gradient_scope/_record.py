@@ -54,6 +54,7 @@ class ScopeStats:
     bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
     replays: int = 0  #: recomputation passes run
     ops_replayed: int = 0  #: operations executed by those passes
+    ops_saved: int = 0  #: op calls whose outputs the ``save=`` policy kept (not recorded)
 
 
 class MetaRef:
@@ -433,11 +434,12 @@ class Region:
         info = _INFO.get(func)
         if info is None:
             info = op_info(func)
-        if info.never_replay or (
+        if info.never_replay:
+            return func(*args, **kwargs)
+        if self.save is not None and not info.writes and self._is_saved(func):
             # Stored, not recomputed: later ops read its outputs as inputs. An op
             # that writes to an argument is always recorded: its write must replay.
-            self.save is not None and not info.writes and self._is_saved(func)
-        ):
+            self.stats.ops_saved += 1
             return func(*args, **kwargs)
         rargs = self.refs(args)
         if info.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:

@@ -19,10 +19,38 @@ from . import _interception, _replay
 from ._record import ExternalRef, Node, Region
 from ._registry import lookup, thread_state
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "add_pack_listener"]
 
 _INF = 1 << 62
 _no_python_dispatch = torch._C._DisableTorchDispatch
+
+
+PackListener = Callable[[torch.Tensor, Any, bool], None]
+_listeners: list[PackListener] = []
+
+
+def add_pack_listener(fn: PackListener) -> Callable[[], None]:
+    """Call ``fn(tensor, packed, recomputable)`` for each tensor our pack hook packs.
+
+    ``recomputable`` is True when the tensor became a recompute handle, False
+    when it was stored or handed to the hook pair below ours. The listener
+    runs inside the pack hook: it must not save tensors or run ops that a
+    scope would record. Returns a function that removes the listener.
+    """
+    _listeners.append(fn)
+
+    def remove() -> None:
+        try:
+            _listeners.remove(fn)
+        except ValueError:
+            pass
+
+    return remove
+
+
+def _notify(t: torch.Tensor, packed: Any, recomputable: bool) -> None:
+    for fn in tuple(_listeners):
+        fn(t, packed, recomputable)
 
 
 class Handle:
@@ -131,11 +159,14 @@ def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
         if entry is not None and (hook.below is None or entry.node.serial >= hook.serial):
             h = _make_handle(entry.region, entry.node, t, view)
             if h is not None:
+                if _listeners:
+                    _notify(t, h, True)
                 return h
         below = hook.below
-        if below is not None:
-            return _Foreign(below[1], below[0](t))
-        return _Plain(t, state)
+        packed = _Foreign(below[1], below[0](t)) if below is not None else _Plain(t, state)
+        if _listeners:
+            _notify(t, packed, False)
+        return packed
     finally:
         state.busy -= 1
 
