@@ -25,8 +25,10 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from types import FrameType, TracebackType
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._saving import add_pack_listener
 
-__all__ = ["saved_tensors_report", "SavedTensorsReport", "SavedTensorsRow"]
+__all__ = ["SavedTensorsReport", "SavedTensorsRow", "saved_tensors_report"]
 
 _NO_MODULE = "(no module)"
 _UNKNOWN_OP = "(unknown)"
@@ -76,7 +78,7 @@ class SavedTensorsRow:
 
 
 class _Storage:
-    __slots__ = ("ref", "nbytes", "stored_row", "recomputable_row")
+    __slots__ = ("nbytes", "recomputable_row", "ref", "stored_row")
 
     def __init__(self, ref: Any, nbytes: int) -> None:
         self.ref = ref  # StorageWeakRef, or a weakref to the tensor (no storage)
@@ -137,7 +139,7 @@ class _OpTracker(TorchFunctionMode):
 class _Passed:
     """Our packed object when a hook pair was below ours: its packed object."""
 
-    __slots__ = ("unpack_fn", "packed")
+    __slots__ = ("packed", "unpack_fn")
 
     def __init__(self, unpack_fn: Callable[[Any], torch.Tensor], packed: Any) -> None:
         self.unpack_fn = unpack_fn
@@ -183,7 +185,7 @@ def _python_caller() -> str:
     ``Name.apply`` for a custom ``autograd.Function`` (its saves happen in C++
     after its forward), else the innermost Python function outside this package
     (``_CheckpointFrame.save_inputs`` for the inputs checkpoint keeps)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not (module == "gradient_scope" or module.startswith("gradient_scope.")):
@@ -201,11 +203,11 @@ def _python_caller() -> str:
 def _fmt_bytes(n: int) -> str:
     if n < 1024:
         return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if value < 1024:
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if round(value, 2) < 1024:
             break
+        value, unit = value / 1024, bigger
     return f"{value:.2f} {unit}"
 
 
@@ -309,8 +311,8 @@ class SavedTensorsReport:
         widths = [max(len(x[i]) for x in (header, total, *lines)) for i in range(5)]
 
         def fmt(cols: tuple[str, ...]) -> str:
-            left = [c.ljust(w) for c, w in zip(cols[:2], widths[:2])]
-            right = [c.rjust(w) for c, w in zip(cols[2:], widths[2:])]
+            left = [c.ljust(w) for c, w in zip(cols[:2], widths[:2], strict=True)]
+            right = [c.rjust(w) for c, w in zip(cols[2:], widths[2:], strict=True)]
             return "  ".join(left + right).rstrip()
 
         rule = "  ".join("-" * w for w in widths)
@@ -481,7 +483,9 @@ class SavedTensorsReport:
         if error is not None:
             raise error
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._state != "open":
             raise RuntimeError("saved_tensors_report: __exit__ without a matching __enter__.")
         if threading.get_ident() != self._thread:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_interception_gone
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -23,7 +24,6 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_co
 
 import gradient_scope
 from gradient_scope import checkpoint, recompute_scope
-from conftest import assert_interception_gone
 
 
 class Block(nn.Module):
