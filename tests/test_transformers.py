@@ -141,5 +141,7 @@ def test_report_on_gpt2_shows_what_the_scopes_removed():
     assert s.stored_bytes < 0.7 * p.stored_bytes
     # Both reports see every save: the same count per (module, op).
     assert {(r.module, r.op): r.count for r in p.rows} == {(r.module, r.op): r.count for r in s.rows}
-    layer_rows = [r for r in s.rows if r.module.startswith("transformer.h.")]
-    assert sum(r.recomputable_bytes for r in layer_rows) == s.recomputable_bytes
+    # Handles come from the layers' tensors: saved inside the layers, and the last
+    # layer's output saved by the final LayerNorm.
+    outside = {r.module for r in s.rows if r.recomputable_bytes and not r.module.startswith("transformer.h.")}
+    assert outside == {"transformer.ln_f"}
