@@ -4,16 +4,21 @@ Tensors created inside a :class:`recompute_scope` are not kept for backward;
 they are recomputed from a record of the block's ops when backward needs them.
 """
 
+from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
+from ._report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from ._scope import recompute, recompute_scope
 from ._stats import ScopeStats
 from .policies import save_any, save_attention, save_matmuls, save_nothing
 
 __all__ = [
     "RecomputeError",
+    "SavedTensorsReport",
+    "SavedTensorsRow",
     "ScopeStats",
     "apply_recompute",
+    "checkpoint",
     "recompute",
     "recompute_scope",
     "recompute_sequential",
@@ -22,5 +27,6 @@ __all__ = [
     "save_attention",
     "save_matmuls",
     "save_nothing",
+    "saved_tensors_report",
 ]
 __version__ = "0.1.0"

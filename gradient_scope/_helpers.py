@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import inspect
 import operator
+import types
+import warnings
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, Union
 
 import torch.nn as nn
 
@@ -42,7 +44,8 @@ def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
         )
     options = dict(options)
     # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
-    options["save"] = as_save_policy(options.get("save"))
+    if "save" in options:
+        options["save"] = as_save_policy(options["save"])
     recompute_scope(**options)  # raises TypeError/ValueError for invalid values
     return options
 
@@ -119,9 +122,36 @@ def _every_module(module: nn.Module) -> bool:
     return True
 
 
+ModuleSelector = Union[Callable[[nn.Module], bool], type, tuple[type, ...], types.UnionType]
+
+
+def _selector(check_fn: Any) -> Callable[[nn.Module], bool]:
+    """``check_fn`` as a predicate. Classes are matched with ``isinstance``, never
+    called: calling a module class with a module would run its constructor."""
+    if isinstance(check_fn, (type, types.UnionType)):
+        cls = check_fn
+        return lambda m: isinstance(m, cls)
+    if isinstance(check_fn, tuple):
+        for item in check_fn:
+            if not isinstance(item, (type, types.UnionType)):
+                raise TypeError(
+                    "apply_recompute: a tuple check_fn must hold classes (matched with isinstance), "
+                    f"got an item {item!r} of type {type(item).__name__}"
+                )
+        classes = check_fn
+        return lambda m: isinstance(m, classes)
+    if not callable(check_fn):
+        raise TypeError(
+            "apply_recompute: check_fn must be a predicate module -> bool "
+            "(e.g. lambda m: isinstance(m, Block)), a module class or a tuple of classes, "
+            f"got {type(check_fn).__name__}"
+        )
+    return check_fn  # type: ignore[no-any-return]
+
+
 def apply_recompute(
     model: M,
-    check_fn: Callable[[nn.Module], bool] = _every_module,
+    check_fn: ModuleSelector = _every_module,
     **scope_options: Any,
 ) -> M:
     """Run every call of chosen submodules in its own :class:`recompute_scope`.
@@ -144,16 +174,31 @@ def apply_recompute(
     :func:`remove_recompute`.
 
     Wrap the modules that repeat and hold most activations (transformer
-    blocks, residual stages); ``check_fn``'s default wraps every module, which
-    is the same as wrapping ``model`` alone (nested scopes record into the
-    outermost one) at a small cost per module call. Apply it after wrappers
-    that replace modules. A shallow copy of a module (``copy.copy``, a
-    ``DataParallel`` replica) shares the original's forward attribute: apply
-    recompute to the copy again.
+    blocks, residual stages). Apply it after wrappers that replace modules. A
+    shallow copy of a module (``copy.copy``, a ``DataParallel`` replica)
+    shares the original's forward attribute: apply recompute to the copy
+    again.
+
+    ``check_fn``'s default wraps every module, which is the same as one scope
+    around ``model`` (nested scopes record into the outermost one): memory held
+    after forward is small, but the first op of backward needs values that
+    depend on the whole forward, so backward replays the whole forward at once
+    and the peak memory is about that of the plain model. Pick the repeated
+    blocks instead, so each block's activations are recomputed only while
+    backward goes through that block.
+
+    Hugging Face transformers models: every decoder/encoder layer derives from
+    ``transformers.modeling_layers.GradientCheckpointingLayer``, so
+    ``apply_recompute(model, check_fn=GradientCheckpointingLayer)`` gives a
+    scope per layer.
 
     Args:
         model: the module to modify, in place.
-        check_fn: ``check_fn(module) -> bool`` picks the modules to wrap.
+        check_fn: picks the modules to wrap: a predicate
+            ``check_fn(module) -> bool``, a module class, or a tuple of
+            classes (matched with ``isinstance``, as FSDP's wrap policies
+            take them). When it matches no module, a ``UserWarning`` says
+            so and nothing is changed.
         **scope_options: options of each scope (``save=``,
             ``preserve_rng_state=``, ``enabled=``, ``debug=``); see
             :class:`recompute_scope`.
@@ -173,19 +218,31 @@ def apply_recompute(
         ...     def forward(self, x):
         ...         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
         >>> model = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
-        >>> _ = apply_recompute(model, check_fn=lambda m: isinstance(m, Block), save=save_matmuls)
+        >>> _ = apply_recompute(model, check_fn=Block, save=save_matmuls)   # or a predicate
         >>> model(torch.randn(8, 16)).sum().backward()   # block activations recomputed
         >>> _ = remove_recompute(model)                   # back to plain forwards
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = apply_recompute(model, check_fn=nn.Conv2d)
+        >>> print(caught[0].message)   # doctest: +ELLIPSIS
+        apply_recompute: check_fn (Conv2d) matched no module of Sequential; nothing was changed. ...
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(check_fn):
-        raise TypeError(
-            "apply_recompute: check_fn must be a callable module -> bool "
-            f"(e.g. lambda m: isinstance(m, Block)), got {type(check_fn).__name__}"
-        )
+    select = _selector(check_fn)
     options = _scope_options("apply_recompute", scope_options)
-    chosen = [m for m in model.modules() if check_fn(m)]
+    chosen = [m for m in model.modules() if select(m)]
+    if not chosen:
+        what = getattr(check_fn, "__qualname__", None) or repr(check_fn)
+        warnings.warn(
+            f"apply_recompute: check_fn ({what}) matched no module of {type(model).__name__}; "
+            "nothing was changed. Pass a predicate that is true for the modules to recompute, "
+            "or their class (e.g. check_fn=Block).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return model
     for module in chosen:
         current = module.__dict__.get("forward")
         if isinstance(current, _ScopedForward):

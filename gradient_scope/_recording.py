@@ -173,7 +173,10 @@ class Recording:
     def record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
-        if f.never_replay or (frame.save is not None and not f.writes and frame.keeps(func)):
+        kept = frame.save is not None and not f.writes and frame.keeps(func)
+        if kept:
+            frame.stats.ops_saved += 1
+        if kept or f.never_replay:
             pre = self._before_writes(f, args, kwargs) if f.writes else None
             out = func(*args, **kwargs)  # R2: not recorded
             for root, _ in pre or ():

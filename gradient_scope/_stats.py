@@ -11,7 +11,7 @@ __all__ = ["ScopeStats"]
 class ScopeStats:
     """Counters of one scope, readable after the block and updated in backward.
 
-    Each field has one writer: ``ops_recorded`` is counted by the recorder,
+    Each field has one writer: ``ops_recorded`` and ``ops_saved`` are counted by the recorder,
     ``tensors_packed``/``bytes_packed`` by the pack hook, ``replays``/``ops_replayed``
     by replay. Under ``torch.compile`` nothing is recorded in Python: the
     counters of a scope inside compiled code stay 0.
@@ -30,6 +30,7 @@ class ScopeStats:
     """
 
     ops_recorded: int = 0  #: operations recorded in the block
+    ops_saved: int = 0  #: op calls whose outputs the ``save=`` policy kept (not recorded)
     tensors_packed: int = 0  #: saved-for-backward tensors replaced by handles
     bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
     replays: int = 0  #: recomputation passes run

@@ -34,6 +34,9 @@ __all__ = [
     "dispatch_stack",
     "set_dispatch_stack",
     "remove_mode_from_under",
+    "without_torch_function",
+    "innermost_function_mode",
+    "remove_function_mode_from_under",
     "SEEDED_TAG",
 ]
 
@@ -186,6 +189,29 @@ def remove_mode_from_under(mode: Any) -> None:
     for (_, global_name), value in zip(_MODE_FLAGS, flags):
         setattr(pd, global_name, value)
     pd.set_is_in_mode_without_ignore_compile_internals(flags[2])
+
+
+#: A guard under which no TorchFunctionMode sees the calls made.
+without_torch_function = torch._C.DisableTorchFunction
+
+
+def innermost_function_mode() -> Any:
+    """The innermost TorchFunctionMode of this thread, or None."""
+    n = torch._C._len_torch_function_stack()
+    return torch._C._get_function_stack_at(n - 1) if n else None
+
+
+def remove_function_mode_from_under(mode: Any) -> None:
+    """Take ``mode`` out of this thread's TorchFunctionMode stack, leaving the
+    modes entered after it in place."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        m = torch._C._pop_torch_function_stack()
+        if m is mode:
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 SEEDED_TAG = torch.Tag.nondeterministic_seeded

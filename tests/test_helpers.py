@@ -7,6 +7,7 @@ import gc
 import inspect
 import math
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -319,6 +320,50 @@ def test_check_fn_selects_modules():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+class Exploding(nn.Module):
+    """A module class whose constructor must never be called by apply_recompute."""
+
+    def __init__(self, *args):
+        raise AssertionError("apply_recompute called the class given as check_fn")
+
+
+@pytest.mark.parametrize(
+    "check_fn,expected",
+    [
+        (Block, {"blocks.0", "blocks.1"}),
+        ((Block,), {"blocks.0", "blocks.1"}),
+        ((Attention, nn.LayerNorm), {"blocks.0.attn", "blocks.1.attn", "blocks.0.ln1", "blocks.0.ln2",
+                                     "blocks.1.ln1", "blocks.1.ln2", "ln_f"}),
+        (Attention | Block, {"blocks.0", "blocks.1", "blocks.0.attn", "blocks.1.attn"}),
+        ((Exploding, Block), {"blocks.0", "blocks.1"}),
+    ],
+    ids=["class", "tuple1", "tuple2", "union", "never_called"],
+)
+def test_check_fn_classes_match_with_isinstance(check_fn, expected):
+    model = GPT()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_recompute(model, check_fn=check_fn)
+    wrapped = {n for n, m in model.named_modules() if "forward" in vars(m)}
+    assert wrapped == expected
+
+
+@pytest.mark.parametrize(
+    "check_fn",
+    [lambda m: False, Exploding, (nn.Conv2d, nn.BatchNorm1d), ()],
+    ids=["predicate", "class", "tuple", "empty_tuple"],
+)
+def test_check_fn_matching_nothing_warns_and_changes_nothing(check_fn):
+    model = GPT()
+    apply_recompute(model.blocks[0], check_fn=Attention)  # what is there stays as it is
+    before = _snapshot(model)
+    with pytest.warns(UserWarning, match="matched no module of GPT; nothing was changed") as caught:
+        assert apply_recompute(model, check_fn=check_fn, save=save_matmuls) is model
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+    assert _snapshot(model) == before
+    assert vars(model.blocks[0].attn)["forward"].options == {}  # not updated to save=
+
+
 def test_every_module_gradients_equal_plain():
     assert_same_run(train(apply_recompute), train())
 
@@ -514,8 +559,10 @@ def test_apply_recompute_validation():
         apply_recompute(lambda x: x)
     with pytest.raises(TypeError, match="nn.Module"):
         remove_recompute([model])
-    with pytest.raises(TypeError, match="check_fn must be a callable"):
+    with pytest.raises(TypeError, match="check_fn must be a predicate"):
         apply_recompute(model, check_fn=True)
+    with pytest.raises(TypeError, match="tuple check_fn must hold classes"):
+        apply_recompute(model, check_fn=(Block, is_block))
     with pytest.raises(TypeError, match="unknown recompute_scope option"):
         apply_recompute(model, check_fn=is_block, preserve_rng=False)
     with pytest.raises(TypeError):

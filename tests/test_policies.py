@@ -489,3 +489,49 @@ def test_inplace_op_on_a_saved_output(policy):
         return dict(loss=loss.detach(), **grads(dict(m=m, x=x)))
 
     run_both(program, save=policy)
+
+
+# --------------------------------------------------------------------------------------
+# stats.ops_saved: what a policy matched
+
+
+def test_ops_saved_counts_the_op_calls_a_policy_kept():
+    def program(scope, **options):
+        torch.manual_seed(0)
+        mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8), nn.Tanh())
+        x = torch.randn(4, 8, requires_grad=True)
+        with scope(**options):
+            y = mlp(x)
+            with scope(save=None):  # a nested scope counts its own
+                z = mlp(y)
+        (y * z).sum().backward()
+        return grads({"x": x, "mlp": mlp})
+
+    scopes, _ = run_both(lambda scope: program(scope, save=save_matmuls))
+    outer, inner = scopes.created
+    assert stat(outer, "ops_saved") == 2  # the two addmm of the first call
+    assert stat(inner, "ops_saved") == 0
+    scopes, _ = run_both(lambda scope: program(scope))
+    assert all(stat(s, "ops_saved") == 0 for s in scopes.created)
+
+
+@pytest.mark.parametrize(
+    "dropout,attention_saved,matmuls_saved",
+    [(0.0, 1, 1), (0.1, 0, 2)],
+    ids=["fused_kernel", "math_path"],
+)
+def test_sdpa_on_cpu_fused_kernel_or_math_path(dropout, attention_saved, matmuls_saved):
+    """On CPU, SDPA with dropout takes the math path: the scope sees bmm/softmax/dropout
+    ops, no attention kernel, and save_attention matches nothing (ops_saved says so)."""
+
+    def program(scope, policy):
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 16, 8, requires_grad=True)
+        with scope(save=policy):
+            y = F.scaled_dot_product_attention(q.sin(), q.cos(), q, dropout_p=dropout, is_causal=True)
+        y.pow(2).sum().backward()
+        return {"q.grad": q.grad}
+
+    for policy, saved in ((save_attention, attention_saved), (save_matmuls, matmuls_saved)):
+        scopes, _ = run_both(lambda scope: program(scope, policy))
+        assert stat(scopes.created[0], "ops_saved") == saved

@@ -1,0 +1,107 @@
+"""A drop-in for ``torch.utils.checkpoint.checkpoint`` that runs the function in a scope."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.checkpoint import noop_context_fn
+
+from ._scope import recompute_scope
+
+__all__ = ["checkpoint"]
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"gradient_scope.checkpoint: {name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], Any] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Drop-in for ``torch.utils.checkpoint.checkpoint``: run ``function`` in a scope.
+
+    Returns ``function(*args, **kwargs)``, computed inside a
+    ``recompute_scope(preserve_rng_state=preserve_rng_state)``: everything the
+    function creates, its outputs included, is recomputable (saved for backward
+    as a handle and recomputed from the recorded ops when backward needs it).
+    Unlike ``torch.utils.checkpoint``, the function's Python code runs once:
+    backward replays only the recorded ops it needs.
+
+    It takes every argument ``torch.utils.checkpoint.checkpoint`` takes, so any
+    framework that accepts a checkpoint function uses scopes with it:
+
+    * ``checkpoint_wrapper(module, checkpoint_fn=gradient_scope.checkpoint)``
+      (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), also
+      through ``apply_activation_checkpointing(model,
+      checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+      checkpoint_fn=gradient_scope.checkpoint), check_fn=...)``;
+    * Hugging Face transformers models:
+      ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``
+      (the method ``gradient_checkpointing_enable()`` calls; its public form
+      always passes torch's checkpoint). Layers checkpoint only in training
+      mode, as with torch's checkpoint.
+
+    Args:
+        function: the function to run (a module, a ``functools.partial``, ...).
+        *args: its positional arguments.
+        use_reentrant: accepted and ignored (a scope has no reentrant variant);
+            no warning when left out.
+        preserve_rng_state: replay random ops with the random numbers they drew
+            in forward (see :class:`recompute_scope`).
+        context_fn: only torch's default (``noop_context_fn``) is accepted:
+            selective checkpointing contexts do not apply to a scope; use
+            ``recompute_scope(save=...)`` for selective recompute.
+        determinism_check: ``"default"`` or ``"none"``, accepted and ignored
+            (a replay always checks shape, dtype and device).
+        debug: accepted and ignored (``recompute_scope(debug=True)`` is the
+            scope's value check).
+        early_stop: accepted and ignored (a replay runs only the ops it needs).
+        **kwargs: keyword arguments of ``function``.
+
+    Raises:
+        ValueError: ``context_fn`` is not torch's default, or
+            ``determinism_check`` is neither ``"default"`` nor ``"none"``.
+        TypeError: ``function`` is not callable or a flag is not a bool.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> import gradient_scope
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = gradient_scope.checkpoint(mlp, x, use_reentrant=False)
+        >>> y.sum().backward()       # the GELU input and output are recomputed
+        >>> from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        >>> wrapped = checkpoint_wrapper(mlp, checkpoint_fn=gradient_scope.checkpoint)
+        >>> wrapped(x).sum().backward()
+    """
+    if not callable(function):
+        raise TypeError(f"gradient_scope.checkpoint: function must be callable, got {type(function).__name__}")
+    if context_fn is not noop_context_fn:
+        raise ValueError(
+            "gradient_scope.checkpoint: context_fn is not supported (selective checkpointing "
+            "contexts apply to torch.utils.checkpoint only). For selective recompute use "
+            "recompute_scope(save=...), e.g. save=gradient_scope.save_matmuls."
+        )
+    if determinism_check not in ("default", "none"):
+        raise ValueError(
+            "gradient_scope.checkpoint: determinism_check must be 'default' or 'none' "
+            f"(as for torch.utils.checkpoint), got {determinism_check!r}"
+        )
+    if use_reentrant is not None:
+        _check_flag("use_reentrant", use_reentrant)
+    _check_flag("debug", debug)
+    _check_flag("early_stop", early_stop)
+    with recompute_scope(preserve_rng_state=preserve_rng_state):
+        return function(*args, **kwargs)

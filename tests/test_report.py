@@ -1,0 +1,559 @@
+"""saved_tensors_report (API.md section 10): what autograd saves, by module and op.
+
+Checked against the validated CPU memory probe (what autograd holds after forward) and
+against hand counts; gradients with the report equal those of the same program without
+it (``torch.equal``), also composed with scopes, checkpoint and other saved-tensor
+hooks in every order; global state is restored, also when the block raises.
+"""
+
+import contextlib
+import gc
+import os
+import sys
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import RecordingHooks, assert_interception_gone, top_hooks
+from torch.autograd.graph import save_on_cpu
+from torch.nn.modules import module as module_globals
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
+
+import gradient_scope
+from gradient_scope import SavedTensorsReport, SavedTensorsRow, _pack, recompute_scope, saved_tensors_report
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.memory import profile_cpu_memory  # noqa: E402
+
+KiB = 1024
+
+
+def report_state():
+    """Everything a report installs while open."""
+    return {
+        "hooks": top_hooks(),
+        "function_modes": torch._C._len_torch_function_stack(),
+        "forward_pre_hooks": len(module_globals._global_forward_pre_hooks),
+        "forward_hooks": len(module_globals._global_forward_hooks),
+        "always_called": len(module_globals._global_forward_hooks_always_called),
+        "listeners": len(_pack._listeners),
+    }
+
+
+def test_public_names():
+    for name in ("saved_tensors_report", "SavedTensorsReport", "SavedTensorsRow"):
+        assert name in gradient_scope.__all__
+        assert ">>>" in getattr(gradient_scope, name).__doc__
+
+
+# --------------------------------------------------------------------------------------
+# what is counted
+
+
+def functional_program(scope):
+    """Every tensor is created in forward: the probe's held bytes are exactly what
+    autograd keeps plus the 4-byte loss."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, requires_grad=True)
+    w1 = torch.randn(128, 32, requires_grad=True)
+    w2 = torch.randn(32, 128, requires_grad=True)
+    h = F.linear(x, w1)
+    with scope():
+        a = F.gelu(h).tanh()  # tanh saves its output a (64 x 128 floats)
+    out = F.linear(a, w2)
+    return F.dropout(out, 0.5).pow(2).sum()
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["plain", "scoped"])
+def test_stored_bytes_equal_what_the_probe_sees_held(scoped):
+    box = {}
+    scopes = []
+
+    def scope():
+        if not scoped:
+            return contextlib.nullcontext()
+        scopes.append(recompute_scope())
+        return scopes[-1]
+
+    def forward():
+        with saved_tensors_report() as report:
+            loss = functional_program(scope)
+        box["report"] = report
+        return loss
+
+    _, held, _ = profile_cpu_memory(forward, lambda loss: loss.backward())
+    report = box["report"]
+    assert report.stored_bytes == held - 4  # the loss scalar is the only other tensor held
+    a_bytes = 64 * 128 * 4
+    if scoped:
+        # a is saved twice (tanh's output, the second linear's input): two handles, one storage.
+        assert scopes[0].stats.tensors_packed == 2 and scopes[0].stats.bytes_packed == 2 * a_bytes
+        assert report.recomputable_bytes == a_bytes
+    else:
+        assert report.recomputable_bytes == 0
+    # By hand: x, w1, w2 (linear), h (gelu), a (tanh; also linear's input), dropout's
+    # float mask and pow's input (dropout's output).
+    by_hand = 4 * (64 * 32 + 128 * 32 + 32 * 128 + 64 * 128 + 64 * 32 + 64 * 32) + (0 if scoped else a_bytes)
+    assert report.stored_bytes == by_hand
+
+
+def test_scoped_stored_bytes_drop_by_the_recomputable_bytes():
+    with saved_tensors_report() as plain:
+        functional_program(lambda: contextlib.nullcontext())
+    with saved_tensors_report() as scoped:
+        functional_program(recompute_scope)
+    assert scoped.recomputable_bytes > 0
+    assert plain.stored_bytes - scoped.stored_bytes == scoped.recomputable_bytes
+    assert sum(r.count for r in plain.rows) == sum(r.count for r in scoped.rows)
+
+
+def test_each_storage_once_and_every_save_counted():
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    with saved_tensors_report() as report:
+        e = w.exp()  # saves its output e
+        p = e * e  # saves e twice
+        q = e.t() @ w  # saves a view of e and w
+        r = w[0] * w[1]  # two views of w
+    rows = {(row.module, row.op): row for row in report.rows}
+    assert {k: v.count for k, v in rows.items()} == {
+        ("(no module)", "exp"): 1,
+        ("(no module)", "mul"): 4,
+        ("(no module)", "matmul"): 2,
+    }
+    # Two storages of 1 KiB each: e (charged to exp, the first to save it) and w
+    # (charged to matmul, the first to save it).
+    assert report.stored_bytes == 2 * KiB
+    assert rows[("(no module)", "exp")].stored_bytes == KiB
+    assert rows[("(no module)", "matmul")].stored_bytes == KiB
+    assert rows[("(no module)", "mul")].stored_bytes == 0
+    del p, q, r
+
+
+def test_storage_reused_after_death_is_a_new_entry():
+    """A storage that died during the block and a new one at the same place both count."""
+    x = torch.randn(256, requires_grad=True)
+    with saved_tensors_report() as report:
+        for _ in range(3):
+            y = x.exp()  # saved; dies with its graph at the next iteration
+            del y
+    assert sum(r.count for r in report.rows) == 3
+    assert report.stored_bytes == 3 * 256 * 4
+
+
+def test_recomputable_and_stored_storage_counts_as_stored():
+    """A block tensor first saved as a handle, then modified in place and stored: kept."""
+    w = torch.randn(8, 8, requires_grad=True)
+    with saved_tensors_report() as report:
+        with recompute_scope():
+            h = w * 2
+        a = h.sin()  # a handle of h
+        h.add_(1)  # h can no longer be replayed ...
+        b = h.cos()  # ... so cos stores it
+    assert report.recomputable_bytes == 0
+    assert report.stored_bytes == 8 * 8 * 4  # h (a product with a number saves nothing)
+    assert [(r.op, r.count, r.stored_bytes) for r in report.rows] == [("cos", 1, 256), ("sin", 1, 0)]
+    del a, b
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.drop((q @ k.transpose(-2, -1)).softmax(-1)) @ v
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Attn()
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_module_paths_and_ops():
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, 8)
+    with saved_tensors_report() as report:
+        loss = F.cross_entropy(model(x).flatten(0, 1), torch.zeros(10, dtype=torch.long))
+    keys = {(r.module, r.op) for r in report.rows}
+    for i in (0, 1):
+        assert {
+            (f"layers.{i}.attn.qkv", "linear"),
+            (f"layers.{i}.attn", "matmul"),
+            (f"layers.{i}.attn", "softmax"),
+            (f"layers.{i}.attn.drop", "dropout"),
+            (f"layers.{i}.mlp.0", "linear"),
+            (f"layers.{i}.mlp.1", "gelu"),
+            (f"layers.{i}.mlp.2", "linear"),
+        } <= keys
+    assert ("head", "linear") in keys
+    assert ("(no module)", "cross_entropy") in keys
+    assert all(not m.startswith("(Model)") for m, _ in keys)
+    # A submodule called on its own is the outermost module: its class name.
+    with saved_tensors_report() as alone:
+        model.layers[1].mlp(torch.randn(3, 8, requires_grad=True))
+    assert {r.module for r in alone.rows} == {"0", "2", "1"}  # paths below the Sequential
+    with saved_tensors_report() as single:
+        nn.Linear(4, 4)(torch.randn(2, 4, requires_grad=True))
+    assert [r.module for r in single.rows] == ["(Linear)"]
+    del loss
+
+
+def test_module_forward_raising_keeps_the_stack_right():
+    class Boom(nn.Module):
+        def forward(self, x):
+            x.exp()
+            raise ValueError("boom")
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.boom, self.fc = Boom(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            try:
+                self.boom(x)
+            except ValueError:
+                pass
+            return self.fc(x).sin()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with saved_tensors_report() as report:
+        Outer()(x)
+    assert {(r.module, r.op) for r in report.rows} == {("boom", "exp"), ("fc", "linear"), ("(Outer)", "sin")}
+
+
+def test_op_names_custom_function_and_create_graph():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    x = torch.randn(4, requires_grad=True)
+    with saved_tensors_report() as report:
+        y = Square.apply(x)
+        z = x @ x
+        w = torch.ops.aten.sin(x)
+        (g,) = torch.autograd.grad(x.tanh().sum(), x, create_graph=True)
+    ops = {r.op for r in report.rows}
+    assert {"Square.apply", "matmul", "sin", "tanh", "grad"} <= ops, ops
+    del y, z, w, g
+
+
+def test_checkpoint_inputs_are_counted_not_its_insides():
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(16, 32, requires_grad=True)
+    for reentrant, op in ((False, "_CheckpointFrame.save_inputs"), (True, "CheckpointFunction.apply")):
+        with saved_tensors_report() as report:
+            y = checkpoint(lambda a: torch.tanh(a @ w).sin(), x, use_reentrant=reentrant)
+        assert [(r.op, r.count, r.stored_bytes) for r in report.rows] == [(op, 1, 16 * 32 * 4)]
+        y.sum().backward()
+
+
+def test_table():
+    torch.manual_seed(0)
+    model = Model()
+    with saved_tensors_report() as report:
+        model(torch.randn(2, 5, 8)).sum()
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].split() == ["module", "op", "count", "stored", "recomputable"]
+    assert lines[-1].split()[0] == "total"
+    assert len(lines) == len(report.rows) + 4
+    rows = report.rows
+    assert rows == sorted(rows, key=lambda r: -(r.stored_bytes + r.recomputable_bytes))
+    top = report.table(top=3).splitlines()
+    assert len(top) == 3 + 5 and top[-3].startswith(f"... {len(rows) - 3} more rows")
+    assert "SavedTensorsReport (done)" in repr(report)
+    assert isinstance(rows[0], SavedTensorsRow) and isinstance(report, SavedTensorsReport)
+
+
+# --------------------------------------------------------------------------------------
+# transparency: gradients, what other hooks receive, in-place checks, no leaks
+
+
+def compose_program(order, report, foreign):
+    """One small program per ordering of report, scope, checkpoint and foreign hooks."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    c = torch.randn(32, requires_grad=True)
+    x = torch.randn(16, 32)
+    if order == "report_outside_scope":
+        with report():
+            with recompute_scope():
+                h = torch.tanh(x @ w)
+            y = (h * c).sum()
+    elif order == "report_inside_block":
+        with recompute_scope():
+            with report():
+                h = torch.tanh(x @ w)
+            h = h.exp()
+        y = (h * c).sum()
+    elif order == "report_after_block":
+        with recompute_scope():
+            h = torch.tanh(x @ w)
+        with report():
+            y = (h * c).sum()
+    elif order == "report_exits_before_block_tensors_die":
+        with report():
+            with recompute_scope():
+                h = torch.tanh(x @ w)
+        y = (h * c).sum()
+    elif order == "checkpoint_inside_report":
+        with report():
+            y = (checkpoint(lambda a: torch.tanh(a @ w), x, use_reentrant=False) * c).sum()
+    elif order == "reentrant_checkpoint_inside_report":
+        with report():
+            y = (checkpoint(lambda a: torch.tanh(a @ w), x.requires_grad_(), use_reentrant=True) * c).sum()
+    elif order == "report_inside_checkpoint":
+
+        def fn(a):
+            with report():
+                with recompute_scope():
+                    b = torch.tanh(a @ w)
+                return b.exp()
+
+        y = (checkpoint(fn, x, use_reentrant=False) * c).sum()
+    elif order == "foreign_inside_report":
+        with report():
+            with foreign():
+                h = torch.tanh(x @ w)
+            y = (h * c).sum()
+    elif order == "report_inside_foreign":
+        with foreign():
+            with report():
+                h = torch.tanh(x @ w)
+            y = (h * c).sum()
+    elif order == "foreign_inside_report_inside_block":
+        with recompute_scope():
+            with report():
+                with foreign():
+                    h = torch.tanh(x @ w)
+                h = h.exp()
+        y = (h * c).sum()
+    elif order == "report_inside_foreign_inside_block":
+        with recompute_scope():
+            with foreign():
+                with report():
+                    h = torch.tanh(x @ w)
+                h = h.exp()
+        y = (h * c).sum()
+    elif order == "report_in_report":
+        with report():
+            with recompute_scope():
+                h = torch.tanh(x @ w)
+            with report():
+                y = (h * c).sum()
+    else:
+        raise AssertionError(order)
+    y.backward()
+    return w.grad, c.grad
+
+
+ORDERS = [
+    "report_outside_scope",
+    "report_inside_block",
+    "report_after_block",
+    "report_exits_before_block_tensors_die",
+    "checkpoint_inside_report",
+    "reentrant_checkpoint_inside_report",
+    "report_inside_checkpoint",
+    "foreign_inside_report",
+    "report_inside_foreign",
+    "foreign_inside_report_inside_block",
+    "report_inside_foreign_inside_block",
+    "report_in_report",
+]
+
+
+@pytest.mark.parametrize(
+    "order,foreign_kind",
+    [(order, "recording") for order in ORDERS] + [(order, "save_on_cpu") for order in ORDERS if "foreign" in order],
+)
+def test_changes_nothing(order, foreign_kind):
+    """Same gradients, the same tensors reach other hooks, state restored (no gc)."""
+    reports = []
+    foreigns = []
+
+    def make_report():
+        reports.append(saved_tensors_report())
+        return reports[-1]
+
+    def make_foreign():
+        foreigns.append(RecordingHooks() if foreign_kind == "recording" else save_on_cpu())
+        return foreigns[-1]
+
+    before = report_state()
+    with_report = compose_program(order, make_report, make_foreign)
+    seen_with = [f.packed for f in foreigns if isinstance(f, RecordingHooks)]
+    foreigns.clear()
+    without = compose_program(order, contextlib.nullcontext, make_foreign)
+    seen_without = [f.packed for f in foreigns if isinstance(f, RecordingHooks)]
+    for a, b in zip(with_report, without):
+        assert torch.equal(a, b)
+    assert seen_with == seen_without
+    assert reports and all(r.rows for r in reports)
+    del a, b, with_report, without
+    assert report_state() == before
+    assert_interception_gone()
+
+
+def test_report_outside_scope_counts_the_handles():
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(16, 32)
+    c = torch.randn(32, requires_grad=True)
+    scope = recompute_scope()
+    with saved_tensors_report() as report:
+        with scope:
+            h = torch.tanh(x @ w)  # tanh saves h: a handle
+        y = h * c  # mul saves h (a handle) and c
+    assert scope.stats.tensors_packed == 2
+    assert report.recomputable_bytes == scope.stats.bytes_packed // 2 == 16 * 32 * 4  # h, once
+    assert report.stored_bytes == (16 * 32 + 32) * 4  # x (matmul) and c
+    assert {(r.op, r.count) for r in report.rows} == {("matmul", 1), ("tanh", 1), ("mul", 2)}
+    y.sum().backward()
+
+
+def test_report_inside_block_counts_block_tensors_as_handles():
+    torch.manual_seed(0)
+    w = torch.randn(32, 32, requires_grad=True)
+    with recompute_scope():
+        with saved_tensors_report() as report:
+            h = torch.tanh(w * w)
+    assert report.recomputable_bytes == 32 * 32 * 4  # tanh's output: a handle
+    assert report.stored_bytes == 32 * 32 * 4  # w (saved twice by mul): from outside the block
+    h.sum().backward()
+
+
+def test_inplace_check_with_no_hooks_below():
+    b = torch.randn(5, requires_grad=True).clone()
+    with saved_tensors_report():
+        y = b.sin()
+        b.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_no_reference_cycle_when_an_op_saves_its_output():
+    x = torch.randn(64, requires_grad=True)
+    with saved_tensors_report():
+        y = x.exp()  # saves its own output
+    probe = weakref.ref(y)
+    storage = weakref.ref(y.untyped_storage())
+    del y
+    assert probe() is None and storage() is None  # without gc.collect()
+
+
+def test_report_keeps_no_tensor_alive():
+    with saved_tensors_report() as report:
+        x = torch.randn(64, requires_grad=True)
+        y = x.exp()
+    probes = [weakref.ref(x), weakref.ref(y.untyped_storage())]
+    del x, y
+    assert all(p() is None for p in probes)
+    assert report.stored_bytes == 64 * 4
+
+
+# --------------------------------------------------------------------------------------
+# global state
+
+
+def test_state_restored_when_the_block_raises():
+    before = report_state()
+    model = Model()
+    with pytest.raises(KeyError, match="inside"):
+        with saved_tensors_report() as report:
+            with recompute_scope():
+                model(torch.randn(2, 3, 8))
+            raise KeyError("inside")
+    assert report_state() == before
+    assert report.rows  # what was counted before the error is kept
+    gc.collect()
+    assert_interception_gone()
+
+
+def test_reuse_and_misuse():
+    report = saved_tensors_report()
+    with report:
+        pass
+    with pytest.raises(RuntimeError, match="already used"):
+        with report:
+            pass
+    with pytest.raises(RuntimeError, match="without a matching __enter__"):
+        saved_tensors_report().__exit__(None, None, None)
+
+
+def test_function_mode_left_open_inside_is_an_error_and_state_is_restored():
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    before = report_state()
+    mode = Mode()
+    report = saved_tensors_report()
+    report.__enter__()
+    mode.__enter__()
+    with pytest.raises(RuntimeError, match="TorchFunctionMode entered inside"):
+        report.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == before["function_modes"] + 1
+    assert torch._C._get_function_stack_at(before["function_modes"]) is mode
+    mode.__exit__(None, None, None)
+    assert report_state() == before
+
+
+def test_disabled_saved_tensor_hooks_raise_and_change_nothing():
+    before = report_state()
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        with pytest.raises(RuntimeError, match="no hooks here"):
+            with saved_tensors_report():
+                pass
+    assert report_state() == before
+
+
+def test_other_threads_are_not_counted():
+    x = torch.randn(8, requires_grad=True)
+    results = []
+
+    def work():
+        lin = nn.Linear(8, 8)
+        results.append(lin(x).exp())
+
+    with saved_tensors_report() as report:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        y = x.sin()
+    assert [(r.module, r.op) for r in report.rows] == [("(no module)", "sin")]
+    del y, results

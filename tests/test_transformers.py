@@ -1,0 +1,147 @@
+"""Hugging Face transformers models (tiny configs, random weights, dropout on).
+
+The one-liners the README documents:
+
+* ``apply_recompute(model, check_fn=GradientCheckpointingLayer)``: a scope per
+  decoder/encoder layer (every transformers layer derives from that class);
+* ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``:
+  transformers' own gradient-checkpointing switch, running each layer through
+  ``gradient_scope.checkpoint``.
+
+Each gives gradients bitwise equal to the plain model (same seeds) and holds less
+memory after forward (the validated CPU probe of ``benchmarks/memory.py``).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+import gradient_scope
+from gradient_scope import apply_recompute, remove_recompute, saved_tensors_report
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.memory import profile_cpu_memory  # noqa: E402
+
+VOCAB, SEQ = 64, 12
+
+
+def make_model(kind):
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if kind == "gpt2":  # dropout 0.1 on embeddings, attention and residuals by default
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, **common)
+        return transformers.GPT2LMHeadModel(cfg)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+            attention_dropout=0.1,
+            **common,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "bert":  # dropout 0.1 on hidden states and attention probabilities by default
+        cfg = transformers.BertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=SEQ,
+            **common,
+        )
+        return transformers.BertForMaskedLM(cfg)
+    raise AssertionError(kind)
+
+
+MODELS = ["gpt2", "llama", "bert"]
+
+
+def step(kind, setup=None, report=False):
+    """Forward + backward of a fresh model (train mode) under the memory probe.
+
+    Returns dict(loss, grads, held, report)."""
+    torch.manual_seed(0)
+    model = make_model(kind)
+    model.train()
+    if setup is not None:
+        setup(model)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    box = {}
+
+    def forward():
+        torch.manual_seed(2)  # dropout masks
+        if report:
+            with saved_tensors_report() as box["report"]:
+                return model(input_ids=ids, labels=ids).loss
+        return model(input_ids=ids, labels=ids).loss
+
+    loss, held, _ = profile_cpu_memory(forward, lambda loss: loss.backward())
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return dict(loss=loss.detach(), grads=grads, held=held, report=box.get("report"), model=model)
+
+
+def assert_same_gradients(a, b):
+    assert torch.equal(a["loss"], b["loss"])
+    assert a["grads"].keys() == b["grads"].keys()
+    for name, g in b["grads"].items():
+        assert g is not None, name
+        assert torch.equal(a["grads"][name], g), f"{name}: max |diff| {(a['grads'][name] - g).abs().max().item()}"
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_layers_share_gradient_checkpointing_layer(kind):
+    model = make_model(kind)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 2
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_apply_recompute_per_layer(kind):
+    plain = step(kind)
+    scoped = step(kind, lambda m: apply_recompute(m, check_fn=GradientCheckpointingLayer))
+    assert_same_gradients(scoped, plain)
+    assert scoped["held"] < 0.6 * plain["held"], (scoped["held"], plain["held"])
+    wrapped = [m for m in scoped["model"].modules() if "forward" in vars(m)]
+    assert len(wrapped) == 2 and all(isinstance(m, GradientCheckpointingLayer) for m in wrapped)
+    remove_recompute(scoped["model"])
+    assert not any("forward" in vars(m) for m in scoped["model"].modules())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_checkpointing_switch_with_gradient_scope_checkpoint(kind):
+    plain = step(kind)
+    calls = []
+
+    def counting(function, *args, **kwargs):
+        calls.append(function)
+        return gradient_scope.checkpoint(function, *args, **kwargs)
+
+    scoped = step(kind, lambda m: m._set_gradient_checkpointing(True, gradient_checkpointing_func=counting))
+    assert len(calls) == 2  # one per layer
+    assert_same_gradients(scoped, plain)
+    assert scoped["held"] < 0.6 * plain["held"], (scoped["held"], plain["held"])
+
+
+def test_report_on_gpt2_shows_what_the_scopes_removed():
+    plain = step("gpt2", report=True)
+    scoped = step("gpt2", lambda m: apply_recompute(m, check_fn=GradientCheckpointingLayer), report=True)
+    assert_same_gradients(scoped, plain)
+    p, s = plain["report"], scoped["report"]
+    modules = {r.module for r in p.rows}
+    assert {"transformer.h.0.attn", "transformer.h.1.mlp.act", "transformer.h.0.attn.c_attn", "lm_head"} <= modules
+    assert p.recomputable_bytes == 0 and s.recomputable_bytes > 0
+    # Every storage the plain model stores is either stored or a handle with scopes.
+    assert p.stored_bytes == s.stored_bytes + s.recomputable_bytes
+    assert s.stored_bytes < 0.7 * p.stored_bytes
+    # Both reports see every save: the same count per (module, op).
+    assert {(r.module, r.op): r.count for r in p.rows} == {(r.module, r.op): r.count for r in s.rows}
+    # Handles come from the layers' tensors: saved inside the layers, and the last
+    # layer's output saved by the final LayerNorm.
+    outside = {r.module for r in s.rows if r.recomputable_bytes and not r.module.startswith("transformer.h.")}
+    assert outside == {"transformer.ln_f"}
