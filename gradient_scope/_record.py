@@ -21,7 +21,7 @@ from typing import Any, Callable, Union
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _registry, _rng
+from . import _fsdp, _registry, _rng, _subclass
 from ._registry import _LIVE, ThreadState, register
 
 __all__ = ["ScopeStats", "Region", "Node", "ExternalRef", "MetaRef", "OpRecord", "RecordingMode"]
@@ -120,7 +120,7 @@ class ExternalRef:
 
 
 def _storage_key(t: Tensor) -> int | None:
-    storage = t.untyped_storage()
+    storage = _subclass.data_tensor(t).untyped_storage()  # a wrapper's own has no data
     return storage.data_ptr() if storage.nbytes() else None
 
 
@@ -440,7 +440,13 @@ class Region:
         ):
             return func(*args, **kwargs)
         rargs = self.refs(args)
-        if info.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
+        if (
+            info.meta_only
+            and args
+            and isinstance(args[0], Tensor)
+            and args[0].layout == torch.strided
+            and not _subclass.is_wrapper(args[0])  # an empty plain tensor can't stand in for it
+        ):
             rargs[0] = MetaRef(args[0])
         rkwargs = kwargs
         if kwargs:
@@ -533,6 +539,8 @@ class Region:
         if aborted:
             # Tensors of a block that raised are ordinary tensors from now on.
             _registry.unregister(self.nodes())
+        else:
+            _fsdp.release_buffers(self)
 
 
 class RecordingMode(TorchDispatchMode):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from . import _rng
+from . import _fsdp, _rng
 from ._errors import RecomputeError
 from ._record import ExternalRef, MetaRef, Node, Region
 from ._registry import live_tensor, thread_state
@@ -291,15 +291,14 @@ def _run(
                 v = env[id(r)] = r.tensor.clone(memory_format=torch.preserve_format)
                 return v
             t = r.tensor
-            if t.untyped_storage().nbytes() == 0 and t.numel() > 0:
+            if _fsdp.freed(t) and not _fsdp.regather(t):
                 raise RecomputeError(
                     f"gradient_scope: cannot recompute the output of {_op_name(func)}: its "
                     f"input tensor of shape {list(t.shape)} ({t.dtype}), read from outside "
-                    "the recompute_scope, has had its storage freed since forward (FSDP2 "
-                    "frees unsharded parameters after forward). Put the recompute_scope "
-                    "around code that does not read such parameters (e.g. activations "
-                    "only), use fully_shard(..., reshard_after_forward=False), or use "
-                    "torch.utils.checkpoint for that module."
+                    "the recompute_scope, has had its storage freed since forward, and the "
+                    "storage belongs to no FSDP2 parameter group (those are gathered again "
+                    "for the replay). Do not free or resize the storage of tensors a block "
+                    "read until backward has run, or pass a clone into the block."
                 )
             if t._version != r.version:
                 raise RecomputeError(

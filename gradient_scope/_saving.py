@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _interception, _replay
+from . import _interception, _replay, _subclass
 from ._record import ExternalRef, Node, Region
 from ._registry import lookup, thread_state
 
@@ -124,7 +124,9 @@ def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
         view = None
         if entry is None:
             base = t._base
-            if base is not None:
+            # A view is rebuilt with as_strided on its base's value, which wrapper
+            # subclasses (DTensor) do not support: those views are stored.
+            if base is not None and not _subclass.is_wrapper(t):
                 entry = lookup(base)
                 if entry is not None:
                     view = (t.size(), t.stride(), t.storage_offset() - base.storage_offset())
