@@ -39,8 +39,9 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,8 +61,11 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _lock = threading.RLock()
 # Storage id (address of the StorageImpl, ``untyped_storage()._cdata``) -> the
-# group that owns it. Verified on every hit: a later storage may reuse an address.
-_owners: dict[int, weakref.ref[Any]] = {}
+# group that owns it. A group's storages are allocated by its first all-gather
+# and kept for its lifetime (FSDP2 resizes them, never replaces them); groups
+# whose storages are all listed here are in _complete and are not scanned again.
+_owners: dict[int, weakref.ref[FSDPParamGroup]] = {}
+_complete: weakref.WeakSet[FSDPParamGroup] = weakref.WeakSet()
 
 
 def _freed_plain(t: torch.Tensor) -> bool:
@@ -77,13 +81,7 @@ def freed(t: torch.Tensor) -> bool:
     return any(_freed_plain(d) for d in data_tensors(t))
 
 
-def _group_storages(group: Any) -> Iterator[int]:
-    for fsdp_param in group.fsdp_params:
-        for t in chain(fsdp_param.all_gather_outputs, getattr(fsdp_param, "_unsharded_inner_tensors", ())):
-            yield t.untyped_storage()._cdata
-
-
-def _all_groups() -> Iterator[Any]:
+def _all_groups() -> Iterator[FSDPParamGroup]:
     """Every live FSDP2 parameter group, from torch's module -> state registry."""
     from torch.distributed._composable_state import _module_state_mapping
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -94,25 +92,39 @@ def _all_groups() -> Iterator[Any]:
         if not isinstance(state, FSDPState) or id(state) in seen:
             continue
         seen.add(id(state))
-        yield from state._fsdp_param_groups
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch versions with one group per state
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        yield from groups
 
 
-def _rescan() -> None:
-    _owners.clear()
+def _refresh() -> None:
+    """List the storages of groups not scanned completely yet; forget dead groups."""
+    for key in [k for k, ref in _owners.items() if ref() is None]:
+        del _owners[key]
     for group in _all_groups():
+        if group in _complete:
+            continue
         ref = weakref.ref(group)
-        for key in _group_storages(group):
-            _owners[key] = ref
+        complete = True
+        for fsdp_param in group.fsdp_params:
+            outputs = fsdp_param.all_gather_outputs
+            complete = complete and bool(outputs) and hasattr(fsdp_param, "_unsharded_param")
+            for t in chain(outputs, getattr(fsdp_param, "_unsharded_inner_tensors", ())):
+                _owners[t.untyped_storage()._cdata] = ref
+        if complete:
+            _complete.add(group)
 
 
-def _owner(key: int) -> FSDPParamGroup | None:
+def _owner(key: int, refresh: bool = True) -> FSDPParamGroup | None:
     ref = _owners.get(key)
     group = ref() if ref is not None else None
-    if group is not None and key in _group_storages(group):
-        return group
-    _rescan()
-    ref = _owners.get(key)
-    return ref() if ref is not None else None
+    if group is None and refresh:
+        _refresh()
+        ref = _owners.get(key)
+        group = ref() if ref is not None else None
+    return group
 
 
 class _Pending:
@@ -121,7 +133,7 @@ class _Pending:
     __slots__ = ("groups", "__weakref__")
 
     def __init__(self) -> None:
-        self.groups: list[Any] = []
+        self.groups: list[FSDPParamGroup] = []
 
 
 # graph task id -> its _Pending, held strongly only by the callback queued on
@@ -145,7 +157,7 @@ def _after_other_callbacks(task: int, pending: _Pending) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _reshard_after_pass(task, pending))
 
 
-def _unshard(group: Any, task: int) -> None:
+def _unshard(group: FSDPParamGroup, task: int) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     # On the current stream and without FSDP2's pre-backward rules (e.g.
@@ -175,7 +187,7 @@ def regather(t: torch.Tensor) -> bool:
     """
     if _FSDP_STATE_MODULE not in sys.modules:
         return False
-    groups = []
+    groups: list[FSDPParamGroup] = []
     with _lock:
         for d in data_tensors(t):
             if _freed_plain(d):
@@ -213,13 +225,13 @@ def release_buffers(region: Region) -> None:
         return
     owned: list[Node] = []
     with _lock:
-        _rescan()
+        _refresh()
         for rec in ops:
             for node in rec.outs:
                 if node is None:
                     continue
                 live = _registry.live_tensor(node)
-                if live is not None and type(live) in _PLAIN and live.untyped_storage()._cdata in _owners:
+                if live is not None and type(live) in _PLAIN and _owner(live.untyped_storage()._cdata, False):
                     owned.append(node)
     if owned:
         _registry.unregister(owned)

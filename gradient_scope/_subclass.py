@@ -10,7 +10,7 @@ storages asks this module for the plain tensors instead.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
