@@ -4,6 +4,7 @@ Tensors created inside a :class:`recompute_scope` are not kept for backward;
 they are recomputed from a record of the block's ops when backward needs them.
 """
 
+from . import _fsdp  # noqa: F401  (registers the FSDP2 adapter; imports no torch.distributed)
 from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute

@@ -14,6 +14,7 @@ from . import _rng
 from ._block import BlockRecord, Input, MetaArg, Var
 from ._errors import RecomputeError
 from ._registry import _LIVE
+from ._subclass import data_tensor, storage_freed
 from ._torch_compat import without_autocast
 
 __all__ = ["run_plan"]
@@ -21,18 +22,22 @@ __all__ = ["run_plan"]
 Tensor = torch.Tensor
 
 
+def _storage_id(t: Tensor) -> int:
+    return data_tensor(t).untyped_storage()._cdata  # type: ignore[no-any-return]
+
+
 def _input_value(r: Input, func: Any, freed: Callable[[Tensor], bool]) -> Tensor:
     """An outside tensor's value as the block read it (P6), or a RecomputeError."""
     t = r.tensor
     if r.snapshot:
         return t.clone(memory_format=torch.preserve_format)  # replay writes into a copy (R1)
-    if t.layout == torch.strided and t.numel() > 0 and t.untyped_storage().nbytes() == 0 and not freed(t):
+    if storage_freed(t) and not freed(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, has had its "
-            "storage freed since forward and no handler could bring it back (FSDP2 parameters "
-            "are re-gathered; this storage belongs to no FSDP2 module). Do not free storages a "
-            "block read until backward has run, or keep this op out of the recompute_scope."
+            "storage freed since forward, and it belongs to no FSDP2 parameter group (those are "
+            "gathered again for a replay). Do not free storages a block read until backward has "
+            "run, or keep this op out of the recompute_scope."
         )
     if t._version != r.version:
         raise RecomputeError(
@@ -42,7 +47,7 @@ def _input_value(r: Input, func: Any, freed: Callable[[Tensor], bool]) -> Tensor
             "Do not modify tensors a block read until backward has run, or pass a clone into the block."
         )
     src = r.source()
-    if src is not None and t.layout == torch.strided and src.untyped_storage()._cdata != t.untyped_storage()._cdata:
+    if src is not None and t.layout == torch.strided and _storage_id(src) != _storage_id(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was given another "

@@ -10,7 +10,7 @@ block is closed. The rules a recording keeps (R1..R6) are in ``_recording``.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,7 +22,7 @@ from ._recording import NO_KWARGS, Recording
 from ._registry import register
 from ._torch_compat import OpOverload, current_dispatch_mode, current_graph_task, remove_mode_from_under
 
-__all__ = ["Recorder", "open_block", "innermost", "close_block", "settle", "has_open_block", "paused"]
+__all__ = ["Recorder", "add_close_listener", "open_block", "innermost", "close_block", "settle", "has_open_block", "paused"]
 
 Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
@@ -77,6 +77,14 @@ class Recorder(TorchDispatchMode):
 _tls = threading.local()
 
 
+_close_listeners: list[Callable[[BlockRecord], None]] = []
+
+
+def add_close_listener(fn: Callable[[BlockRecord], None]) -> None:
+    """Call ``fn(record)`` when a block closes normally (an adapter's clean-up)."""
+    _close_listeners.append(fn)
+
+
 def open_block(record: BlockRecord, owner: Any, frame: Frame) -> Recording:
     """Start recording ``record`` in this thread (entering the recorder if needed)."""
     r: Recorder | None = getattr(_tls, "recorder", None)
@@ -109,6 +117,9 @@ def close_block(block: Recording, aborted: bool) -> bool:
     r.blocks.pop()
     try:
         block.close(aborted)
+        if not aborted:
+            for fn in _close_listeners:
+                fn(block.record_)
     finally:
         if not r.blocks:
             _tls.recorder = None

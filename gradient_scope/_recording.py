@@ -32,6 +32,7 @@ from . import _registry, _rng
 from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var
 from ._ops import INPLACE, NEW, VIEW, OpFacts
 from ._registry import _LIVE, Ledger, register
+from ._subclass import data_tensor, is_wrapper
 from ._torch_compat import current_graph_task
 
 __all__ = ["Recording", "NO_KWARGS"]
@@ -183,7 +184,7 @@ class Recording:
                 self._add_write(root, len(self.record_.ops), None)
             return out
         rargs = self.refs(args)
-        if f.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
+        if f.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided and not is_wrapper(args[0]):
             rargs[0] = MetaArg(args[0])
         rkwargs = NO_KWARGS
         if kwargs:
@@ -294,7 +295,7 @@ def _version(t: Tensor) -> int:
 def _storage_key(t: Tensor) -> int | None:
     """The address of ``t``'s storage; None for tensors without one (sparse) or freed."""
     try:
-        storage = t.untyped_storage()
+        storage = data_tensor(t).untyped_storage()  # a wrapper's own storage has no data
     except (RuntimeError, NotImplementedError):
         return None
     return storage.data_ptr() if storage.nbytes() else None

@@ -35,6 +35,8 @@ __all__ = [
     "lookup",
     "forget",
     "note_alias",
+    "tensor_of",
+    "value_in_memory",
 ]
 
 _lock = threading.Lock()
@@ -159,6 +161,14 @@ def note_alias(entry: Entry, alias: torch.Tensor) -> None:
         entry.aliases = [ref]
     else:
         entry.aliases.append(ref)
+
+
+def tensor_of(var: Any) -> torch.Tensor | None:
+    """The live tensor ``var`` stands for, or None."""
+    entry = _LIVE.get(var.key)
+    if entry is not None and entry.var is var:
+        return entry()
+    return None
 
 
 def value_in_memory(entry: Entry, version: int) -> torch.Tensor | None:

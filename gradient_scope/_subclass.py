@@ -1,0 +1,56 @@
+"""Tensor subclasses that wrap other tensors (DTensor, ...): where their data is.
+
+A traceable wrapper subclass (``DTensor`` and other ``__tensor_flatten__``
+subclasses) keeps its values in inner tensors; its own storage is a
+placeholder: it has no data pointer, and it keeps its size when the inner
+storage is freed. ``as_strided`` on it is not supported (DTensor raises), and
+``torch.empty`` cannot recreate it from shape alone. Code that works on
+storages asks this module for the plain tensors instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["is_wrapper", "data_tensors", "data_tensor", "storage_freed"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_wrapper(t: torch.Tensor) -> bool:
+    """True for a tensor whose data lives in inner tensors (e.g. a DTensor)."""
+    return type(t) not in _PLAIN and is_traceable_wrapper_subclass(t)
+
+
+def data_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: ``t`` itself, or the inner tensors
+    of a wrapper subclass (a DTensor's local tensor), recursively."""
+    if not is_wrapper(t):
+        yield t
+        return
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    for name in attrs:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from data_tensors(inner)
+
+
+def data_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The first plain tensor holding ``t``'s data (``t`` unless it is a wrapper)."""
+    return next(data_tensors(t), t)
+
+
+def _freed_plain(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """True when ``t`` has elements but the storage holding them has size 0 (FSDP2
+    resizes unsharded parameter storage to 0 after forward); looks inside wrappers,
+    whose own placeholder storage keeps its size."""
+    if not is_wrapper(t):
+        return _freed_plain(t)
+    return any(_freed_plain(d) for d in data_tensors(t))
