@@ -20,12 +20,45 @@ from ._block import BlockRecord, Frame, Var
 from ._ops import _FACTS, facts
 from ._recording import NO_KWARGS, Recording
 from ._registry import register
-from ._torch_compat import OpOverload, current_dispatch_mode, current_graph_task, remove_mode_from_under
+from ._torch_compat import OpOverload, current_dispatch_mode, current_graph_task, remove_mode_from_under, skip_dynamo
 
 __all__ = ["Recorder", "add_close_listener", "open_block", "innermost", "close_block", "settle", "has_open_block", "paused"]
 
 Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
+
+
+def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    """``Recorder.__torch_dispatch__``: record ``func`` into the innermost open block."""
+    blocks = self.blocks
+    if self.paused or not blocks or type(func) is not OpOverload:
+        return func(*args, **(kwargs or {}))
+    block = blocks[-1]
+    if block.task != current_graph_task():  # R3
+        return func(*args, **(kwargs or {}))
+    if block.unsettled:
+        block.settle()
+    f = _FACTS_GET(func)
+    if f is None:
+        f = facts(func)
+    if kwargs or not f.fast or not block.frame.plain:
+        return block.record(func, f, args, kwargs or NO_KWARGS)
+    # The hot path (most ops): positional arguments, one fresh output.
+    rargs = block.refs(args)
+    out = func._op(*args)
+    ops = block.record_.ops
+    outs: tuple[Var, ...] = ()
+    if isinstance(out, Tensor):
+        for a in args:
+            if a is out:
+                break
+        else:
+            frame = block.frame
+            var = Var(out, len(ops), frame, None, 0)  # a fresh tensor has version 0
+            register(out, var, block.owner, frame.serial, block.ledger)
+            outs = (var,)
+    ops.append((func, rargs, NO_KWARGS, None, outs))
+    return out
 
 
 class Recorder(TorchDispatchMode):
@@ -40,36 +73,17 @@ class Recorder(TorchDispatchMode):
         self.blocks: list[Recording] = []  # open blocks of this thread, innermost last
         self.paused = 0  # > 0: ops pass through (replay, the library's own ops)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        blocks = self.blocks
-        if self.paused or not blocks or type(func) is not OpOverload:
-            return func(*args, **(kwargs or {}))
-        block = blocks[-1]
-        if block.task != current_graph_task():  # R3
-            return func(*args, **(kwargs or {}))
-        if block.unsettled:
-            block.settle()
-        f = _FACTS_GET(func)
-        if f is None:
-            f = facts(func)
-        if kwargs or not f.fast or not block.frame.plain:
-            return block.record(func, f, args, kwargs or NO_KWARGS)
-        # The hot path (most ops): positional arguments, one fresh output.
-        rargs = block.refs(args)
-        out = func(*args)
-        ops = block.record_.ops
-        outs: tuple[Var, ...] = ()
-        if isinstance(out, Tensor):
-            for a in args:
-                if a is out:
-                    break
-            else:
-                frame = block.frame
-                var = Var(out, len(ops), frame, None, 0)  # a fresh tensor has version 0
-                register(out, var, block.owner, frame.serial, block.ledger)
-                outs = (var,)
-        ops.append((func, rargs, NO_KWARGS, None, outs))
-        return out
+
+def _install_dispatch() -> None:
+    """Give Recorder its ``__torch_dispatch__`` (when the first block opens: telling
+    dynamo imports it, which takes seconds). Assigned after the class statement so
+    that TorchDispatchMode.__init_subclass__ does not wrap it in
+    torch._disable_dynamo (two Python frames per op): dynamo is told to skip the
+    function, and everything it calls, by its code object instead."""
+    if skip_dynamo(_record_op.__code__):
+        Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
+    else:  # a torch without per-code strategies: the wrapped form
+        Recorder.__torch_dispatch__ = torch._disable_dynamo(_record_op, recursive=True)  # type: ignore[method-assign,arg-type]
 
 
 # ---------------------------------------------------------------- per thread
@@ -89,6 +103,8 @@ def open_block(record: BlockRecord, owner: Any, frame: Frame) -> Recording:
     """Start recording ``record`` in this thread (entering the recorder if needed)."""
     r: Recorder | None = getattr(_tls, "recorder", None)
     if r is None:
+        if "__torch_dispatch__" not in Recorder.__dict__:
+            _install_dispatch()
         r = Recorder()
         r.__enter__()
         _tls.recorder = r

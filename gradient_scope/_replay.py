@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection
 from typing import Any, Callable
 
 import torch
@@ -48,14 +48,13 @@ import torch
 from . import _record
 from ._block import BlockRecord, Input, Var
 from ._errors import RecomputeError
-from ._execute import run_plan
+from ._plan import Instr, Ref, closure, compile_op, op_refs, run_plan
 from ._registry import _LIVE, Entry, value_in_memory
 from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
 
 __all__ = ["Handle", "ViewSpec", "ReplayState", "materialize", "add_freed_storage_handler", "inplace_error"]
 
 Tensor = torch.Tensor
-Ref = Any  # Var | Input
 
 
 def inplace_error(what: str, saved: int, now: int) -> RuntimeError:
@@ -126,7 +125,7 @@ class Handle:
         # slots may already be cleared.
         state = getattr(self, "state", None)
         if state is not None:
-            state.dropped()
+            state.dropped(id(self))
 
 
 _freed_storage_handlers: list[Callable[[Tensor], bool]] = []
@@ -140,49 +139,34 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
 
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it."""
-    with _record.paused(), torch.enable_grad(), below_autograd():
-        t = h.entry()
-        if t is not None and t._version != h.version:
-            raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
-        t = value_in_memory(h.entry, h.version)
-        if t is not None:
-            h.state.served(h)
+    t = h.entry()
+    if t is not None and t._version != h.version:
+        raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
+    t = value_in_memory(h.entry, h.version)
+    if t is not None:
+        h.state.served(h)
+        with _record.paused():
             value = t.detach()
-        else:
-            value = h.state.replay(h)
-        if h.view is not None:
+    else:
+        value = h.state.replay(h)
+    if h.view is not None:
+        with _record.paused(), below_autograd():
             value = h.view.apply(value)
-        if h.check is not None and not _same(value, h.check):
-            raise RecomputeError(
-                f"gradient_scope (debug): the recomputed {h.var.describe()} differs from the "
-                "tensor autograd saved, whose version did not change: it was written through "
-                "`.data`, a NumPy array (torch.from_numpy) or untyped_storage() after it was "
-                "saved, or a tensor the block read was. Do not write to tensors a block made or "
-                "read until backward has run."
-            )
-        return value
+    if h.check is not None and not _same(value, h.check):
+        raise RecomputeError(
+            f"gradient_scope (debug): the recomputed {h.var.describe()} differs from the "
+            "tensor autograd saved, whose version did not change: it was written through "
+            "`.data`, a NumPy array (torch.from_numpy) or untyped_storage() after it was "
+            "saved, or a tensor the block read was. Do not write to tensors a block made or "
+            "read until backward has run."
+        )
+    return value
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
     if a.device.type == "cpu":
         return bool(torch.equal(a, b))
     return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True))
-
-
-def _refs_of(args: Any) -> Iterator[Ref]:
-    for a in args:
-        if isinstance(a, (Var, Input)):
-            yield a
-        elif isinstance(a, list):
-            for x in a:
-                if isinstance(x, (Var, Input)):
-                    yield x
-
-
-def _inputs(rec: Any) -> Iterator[Ref]:
-    yield from _refs_of(rec[1])
-    if rec[2]:
-        yield from _refs_of(rec[2].values())
 
 
 def _live(var: Var) -> Tensor | None:
@@ -196,65 +180,32 @@ def _live(var: Var) -> Tensor | None:
     return None
 
 
-def _closure(record: BlockRecord, var: Var, bound: int, available: Callable[[Var], bool] | None) -> set[int]:
-    """Indices of the ops needed to rebuild ``var`` as it was before op ``bound``."""
-    ops = record.ops
-    need: set[int] = set()
-    seen: set[tuple[int, int]] = set()
-    stack: list[tuple[Ref, int]] = [(var, bound)]
-    while stack:
-        r, b = stack.pop()
-        if (id(r), b) in seen:
-            continue
-        seen.add((id(r), b))
-        group = r.root
-        if isinstance(r, Var):
-            if available is not None and not group.writes and available(r):
-                continue
-            if r.op not in need:
-                need.add(r.op)
-                stack.extend((x, r.op) for x in _inputs(ops[r.op]))
-        for j, _ in group.writes:
-            if j >= b:
-                break
-            if j not in need:
-                need.add(j)
-                stack.extend((x, j) for x in _inputs(ops[j]))
-    return need
-
-
 class _Pass:
-    """Replay state of one block within one backward pass (P4). It holds handles
-    weakly: a handle autograd drops unserved releases what it held at the next serve."""
+    """Replay state of one block within one backward pass (P4). Pending handles are
+    held weakly; a handle that dies unserved releases what it held (``dropped``)."""
 
     __slots__ = ("task", "cache", "refs", "holds", "pending")
 
-    def __init__(self, task: int, pending: weakref.WeakSet[Handle]) -> None:
+    def __init__(self, task: int, pending: dict[int, weakref.ref[Handle]]) -> None:
         self.task = task
         # Values keyed by (var, number of its group's writes applied).
         self.cache: dict[tuple[Var, int], Tensor] = {}
         self.refs: dict[tuple[Var, int], int] = {}  # holders of each entry
-        self.holds: dict[int, tuple[weakref.ref[Handle], list[tuple[Var, int]]]] = {}
-        self.pending: weakref.WeakSet[Handle] = weakref.WeakSet(pending)
+        # id(handle) -> the keys it holds; an id leaves before its handle dies.
+        self.holds: dict[int, list[tuple[Var, int]]] = {}
+        self.pending = dict(pending)  # id(handle) -> handle, not served in this pass yet
 
     def hold(self, h: Handle, key: tuple[Var, int], value: Tensor) -> None:
         self.cache[key] = value
-        held = self.holds.get(id(h))
-        if held is None or held[0]() is not h:
-            held = self.holds[id(h)] = (weakref.ref(h), [])
-        held[1].append(key)
+        self.holds.setdefault(id(h), []).append(key)
         self.refs[key] = self.refs.get(key, 0) + 1
 
     def serve(self, h: Handle) -> None:
-        self.pending.discard(h)
-        held = self.holds.get(id(h))
-        if held is not None and held[0]() is h:
-            self._release(id(h))
-        for hid in [hid for hid, (ref, _) in self.holds.items() if ref() is None]:
-            self._release(hid)
+        self.pending.pop(id(h), None)
+        self.release(id(h))
 
-    def _release(self, hid: int) -> None:
-        for key in self.holds.pop(hid)[1]:
+    def release(self, hid: int) -> None:
+        for key in self.holds.pop(hid, ()):
             n = self.refs[key] - 1
             if n:
                 self.refs[key] = n
@@ -267,15 +218,17 @@ class ReplayState:
     """Replay bookkeeping of one block: its pending handles, the current pass's
     cache, memoised closures. Only this class writes them, under ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "closures", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "closures", "_refs", "_code", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7)
         self.lock = threading.RLock()  # backward may run in another thread
-        self.pending: weakref.WeakSet[Handle] = weakref.WeakSet()
+        self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.closures: dict[Var, frozenset[int]] = {}
+        self._refs: list[tuple[Ref, ...]] | None = None  # op_refs of each op, once closed
+        self._code: list[Instr | None] | None = None  # compile_op of each op replayed, once closed
 
     def handle(self, entry: Entry, t: Tensor, view: ViewSpec | None) -> Handle | None:
         """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it."""
@@ -292,7 +245,7 @@ class ReplayState:
         check = t.detach() if var.frame.debug else None
         h = Handle(self, entry, var, v, view, check)
         with self.lock:
-            self.pending.add(h)
+            self.pending[id(h)] = weakref.ref(h)
             self.handles += 1
         stats = var.frame.stats
         stats.tensors_packed += 1
@@ -328,13 +281,17 @@ class ReplayState:
             def available(r: Var) -> bool:
                 return (r, 0) in cache or _live(r) is not None
 
-            bound = len(record.ops)
-            plan = sorted(_closure(record, var, bound, available))
+            refs = self._op_refs(record)
+            plan = closure(refs, var, len(record.ops), available)
+            code = self._compiled(record, plan)
             if ps is None:
-                return run_plan(record, plan, var, cache, (), {}, self._freed)
-            targets, frontier = self._wanted(record, ps, h, set(plan))
+                with _record.paused(), torch.enable_grad(), below_autograd():
+                    return run_plan(record, refs, code, plan, var, cache, (), {}, self._freed)
+            targets, frontier = self._wanted(record, refs, ps, h, set(plan))
             produced: dict[Var, Tensor] = {}
-            value = run_plan(record, plan, var, cache, targets.keys() | frontier.keys(), produced, self._freed)
+            keep = targets.keys() | frontier.keys()
+            with _record.paused(), torch.enable_grad(), below_autograd():
+                value = run_plan(record, refs, code, plan, var, cache, keep, produced, self._freed)
             for n, v in produced.items():
                 k = len(n.root.writes)
                 for h2 in targets.get(n, ()):
@@ -345,14 +302,23 @@ class ReplayState:
             self._served(ps, h)
             return value
 
-    def dropped(self) -> None:
-        """A handle died: once none is left after the block closed, release the record (P7)."""
+    def dropped(self, hid: int) -> None:
+        """Handle ``hid`` died: it releases what it held in the current pass; once
+        none is left after the block closed, the record is released (P7)."""
         with self.lock:
             self.handles -= 1
+            self.pending.pop(hid, None)
+            ps = self.current
+            if ps is not None:
+                ps.pending.pop(hid, None)
+                ps.release(hid)
+                if not ps.pending:
+                    self.current = None
             if self.handles == 0 and self.record is not None and not self.record.open:
                 self.record = None
                 self.current = None
                 self.closures = {}
+                self._refs = self._code = None
 
     # -- P4 bookkeeping
 
@@ -388,15 +354,15 @@ class ReplayState:
             self.current = None  # nothing left to serve in this pass: free the cache
 
     def _wanted(
-        self, record: BlockRecord, ps: _Pass, h: Handle, plan: set[int]
+        self, record: BlockRecord, refs: list[tuple[Ref, ...]], ps: _Pass, h: Handle, plan: set[int]
     ) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
         """What the other pending handles will ask for that this plan makes: their
         own values (targets), and values their own replays would read (frontier)."""
         targets: dict[Var, list[Handle]] = {}
         frontier: dict[Var, list[Handle]] = {}
-        ops = record.ops
-        for h2 in list(ps.pending):
-            if h2 is h:
+        for ref in list(ps.pending.values()):
+            h2 = ref()
+            if h2 is None or h2 is h:
                 continue
             n2 = h2.var
             if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
@@ -404,21 +370,41 @@ class ReplayState:
             if n2.op in plan:
                 targets.setdefault(n2, []).append(h2)
                 continue
-            for i in self._closure_of(record, n2):
+            for i in self._closure_of(record, refs, n2):
                 if i in plan:
                     continue
-                for r in _inputs(ops[i]):
+                for r in refs[i]:
                     if isinstance(r, Var) and r.op in plan and not r.root.writes:
                         frontier.setdefault(r, []).append(h2)
         return targets, frontier
 
-    def _closure_of(self, record: BlockRecord, var: Var) -> frozenset[int] | set[int]:
+    def _closure_of(self, record: BlockRecord, refs: list[tuple[Ref, ...]], var: Var) -> Collection[int]:
         if record.open:
-            return _closure(record, var, len(record.ops), None)
+            return closure(refs, var, len(record.ops), None)
         ops = self.closures.get(var)
         if ops is None:
-            ops = self.closures[var] = frozenset(_closure(record, var, len(record.ops), None))
+            ops = self.closures[var] = frozenset(closure(refs, var, len(record.ops), None))
         return ops
+
+    def _compiled(self, record: BlockRecord, plan: list[int]) -> list[Instr]:
+        ops = record.ops
+        if record.open:
+            code: list[Any] = [None] * len(ops)
+        else:
+            if self._code is None:
+                self._code = [None] * len(ops)
+            code = self._code
+        for i in plan:
+            if code[i] is None:
+                code[i] = compile_op(ops[i])
+        return code
+
+    def _op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
+        if record.open:
+            return [op_refs(rec) for rec in record.ops]
+        if self._refs is None:
+            self._refs = [op_refs(rec) for rec in record.ops]
+        return self._refs
 
     @staticmethod
     def _freed(t: Tensor) -> bool:

@@ -35,6 +35,7 @@ __all__ = [
     "set_dispatch_stack",
     "remove_mode_from_under",
     "without_torch_function",
+    "skip_dynamo",
     "innermost_function_mode",
     "remove_function_mode_from_under",
     "SEEDED_TAG",
@@ -189,6 +190,19 @@ def remove_mode_from_under(mode: Any) -> None:
     for (_, global_name), value in zip(_MODE_FLAGS, flags):
         setattr(pd, global_name, value)
     pd.set_is_in_mode_without_ignore_compile_internals(flags[2])
+
+
+def skip_dynamo(code: Any) -> bool:
+    """Tell dynamo never to trace ``code`` nor anything it calls (what
+    ``torch._dynamo.disable(fn, recursive=True)`` does, without a wrapper call per
+    use); False on a torch without per-code strategies (before 2.6)."""
+    try:
+        import torch._dynamo.eval_frame as ef
+
+        ef.set_code_exec_strategy(code, ef.FrameExecStrategy(ef.FrameAction.SKIP, ef.FrameAction.SKIP))
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 #: A guard under which no TorchFunctionMode sees the calls made.

@@ -1,0 +1,268 @@
+"""Plans: which recorded ops of a block rebuild a value, and running them
+(``_replay`` P1, P5, P6).
+
+A plan is a sorted list of op indices. Every argument of a recorded op was made
+by an earlier op, so the closure is found in one pass over the ops, from the
+last one down. Running a plan drops each intermediate value as soon as no later
+op of the plan reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any, Callable, Union
+
+import torch
+
+from . import _rng
+from ._block import BlockRecord, Input, MetaArg, Var
+from ._errors import RecomputeError
+from ._registry import _LIVE
+from ._subclass import data_tensor, storage_freed
+from ._torch_compat import without_autocast
+
+__all__ = ["Ref", "Instr", "op_refs", "compile_op", "closure", "run_plan"]
+
+Ref = Union[Var, Input]
+
+Tensor = torch.Tensor
+
+
+def _storage_id(t: Tensor) -> int:
+    return data_tensor(t).untyped_storage()._cdata  # type: ignore[no-any-return]
+
+
+def _input_value(r: Input, func: Any, freed: Callable[[Tensor], bool]) -> Tensor:
+    """An outside tensor's value as the block read it (P6), or a RecomputeError."""
+    t = r.tensor
+    if r.snapshot:
+        return t.clone(memory_format=torch.preserve_format)  # replay writes into a copy (R1)
+    if storage_freed(t) and not freed(t):
+        raise RecomputeError(
+            f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
+            f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, has had its "
+            "storage freed since forward, and it belongs to no FSDP2 parameter group (those are "
+            "gathered again for a replay). Do not free storages a block read until backward has "
+            "run, or keep this op out of the recompute_scope."
+        )
+    if t._version != r.version:
+        raise RecomputeError(
+            f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
+            f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was modified in "
+            f"place after the block (version {r.version} -> {t._version}) and before backward. "
+            "Do not modify tensors a block read until backward has run, or pass a clone into the block."
+        )
+    src = r.source()
+    if src is not None and t.layout == torch.strided and _storage_id(src) != _storage_id(t):
+        raise RecomputeError(
+            f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
+            f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was given another "
+            "storage after the block (`tensor.data = ...` or `set_()`). Do not replace the data of "
+            "tensors a block read until backward has run."
+        )
+    return t
+
+
+def _check(func: Any, var: Var, value: Any, debug_values: dict[Var, Tensor]) -> None:
+    """P5: a replayed output must look like forward's."""
+    if not isinstance(value, Tensor):
+        raise RecomputeError(
+            f"gradient_scope: replaying {func} returned {type(value).__name__} where forward "
+            f"produced a {var.describe()}. The op does not replay faithfully; keep its output "
+            "with save=[...] or move it out of the recompute_scope."
+        )
+    shape_ok = var.size is None or value.shape == var.size
+    if not shape_ok or value.dtype != var.dtype or value.device != var.device:
+        raise RecomputeError(
+            f"gradient_scope: replaying {func} produced a tensor of shape {list(value.shape)} "
+            f"({value.dtype}, {value.device}) where forward produced a {var.describe()}. The op "
+            "does not replay faithfully; keep its output with save=[...] or move it out of the "
+            "recompute_scope."
+        )
+    ref = debug_values.get(var) if debug_values else None
+    if ref is not None:
+        same = (
+            torch.equal(value, ref)
+            if value.device.type == "cpu"
+            else torch.allclose(value, ref, rtol=1e-5, atol=1e-8, equal_nan=True)
+        )
+        if not same:
+            raise RecomputeError(
+                f"gradient_scope (debug): replaying {func} gave different values for a "
+                f"{var.describe()} than forward did. The op is not deterministic, or read state "
+                "that changed without a version bump (`.data`, a NumPy array, untyped_storage()); "
+                "keep its output with save=[...] or move it out of the recompute_scope."
+            )
+
+
+def op_refs(rec: Any) -> tuple[Ref, ...]:
+    """The Vars and Inputs an op record reads (in argument order)."""
+    out: list[Ref] = []
+    for a in (*rec[1], *rec[2].values()):
+        if type(a) is Var or type(a) is Input:
+            out.append(a)
+        elif type(a) is list:
+            out.extend(x for x in a if type(x) is Var or type(x) is Input)
+    return tuple(out)
+
+
+#: An op compiled for replay: ``(op, func, template args, (position, ref id) slots,
+#: other slots or None, kwargs template or None, rng, ((output index, Var), ...))``.
+Instr = tuple[Any, Any, list[Any], tuple[tuple[int, int], ...], Any, Any, Any, tuple[tuple[int, Var], ...]]
+
+
+def compile_op(rec: Any) -> Instr:
+    """``rec`` as an instruction: what varies between replays is looked up by slot."""
+    func, rargs, rkwargs, rng, outs = rec
+    tmpl = list(rargs)
+    slots: list[tuple[int, int]] = []
+    other: list[tuple[int, Any]] = []  # MetaArgs and Tensor[] arguments
+    for pos, a in enumerate(rargs):
+        if type(a) is Var or type(a) is Input:
+            slots.append((pos, id(a)))
+            tmpl[pos] = None
+        elif type(a) is MetaArg or type(a) is list:
+            other.append((pos, a))
+    outputs = tuple((k, v) for k, v in enumerate(outs) if v is not None)
+    return (func._op, func, tmpl, tuple(slots), tuple(other) or None, rkwargs or None, rng, outputs)
+
+
+def _value(a: Any, env: dict[int, Any]) -> Any:
+    if type(a) is Var or type(a) is Input:
+        return env[id(a)]
+    if type(a) is MetaArg:
+        return a.empty()
+    if type(a) is list:
+        return [env[id(x)] if type(x) is Var or type(x) is Input else x for x in a]
+    return a
+
+
+def closure(refs: Sequence[tuple[Ref, ...]], var: Var, bound: int, available: Callable[[Var], bool] | None) -> list[int]:
+    """The ops needed to rebuild ``var`` as it is before op ``bound``, sorted.
+
+    ``refs[i]`` is ``op_refs`` of op ``i``. A Var for which ``available`` is true
+    (its value is in a cache or alive, and its group was never written to) is
+    not rebuilt.
+    """
+    need = bytearray(bound)
+
+    def mark(r: Ref, before: int) -> None:
+        group = r.root
+        if type(r) is Var and (group.writes or available is None or not available(r)):
+            need[r.op] = 1
+        for j, _ in group.writes:
+            if j >= before:
+                break
+            need[j] = 1
+
+    need[var.op] = 1
+    for j, _ in var.root.writes:
+        if j >= bound:
+            break
+        need[j] = 1
+    for i in range(bound - 1, -1, -1):
+        if need[i]:
+            for r in refs[i]:
+                mark(r, i)
+    return [i for i in range(bound) if need[i]]
+
+
+def run_plan(
+    record: BlockRecord,
+    refs: Sequence[tuple[Ref, ...]],
+    code: Sequence[Instr],
+    plan: list[int],
+    target: Var,
+    cache: dict[tuple[Var, int], Tensor],
+    keep: Collection[Var],
+    produced: dict[Var, Tensor],
+    freed: Callable[[Tensor], bool],
+) -> Tensor:
+    """Run ``plan``; return ``target``'s value and put the values of ``keep`` vars
+    (as they stand at the end, for groups written to) into ``produced``."""
+    ops = record.ops
+    # Before running: load what the plan reads from outside it (Inputs, cached or
+    # live values), and note after which op each value is read for the last time.
+    env: dict[int, Any] = {}
+    made: set[int] = set()
+    last_use: dict[int, int] = {}
+    for i in plan:
+        for r in refs[i]:
+            rid = id(r)
+            last_use[rid] = i
+            if rid not in made and rid not in env:
+                env[rid] = _load(r, ops[i][0], cache, freed)
+        for out_var in ops[i][4]:
+            if out_var is not None:
+                made.add(id(out_var))
+    drops: dict[int, list[int]] = {}
+    for rid, i in last_use.items():
+        if rid != id(target):
+            drops.setdefault(i, []).append(rid)
+
+    stats = target.frame.stats
+    debug_values = record.debug_values
+    result: Tensor | None = None
+    with without_autocast():
+        for i in plan:
+            op, func, tmpl, slots, other, kw, rng, outputs = code[i]
+            args = tmpl.copy()
+            for pos, rid in slots:
+                args[pos] = env[rid]
+            if other is not None:
+                for pos, a in other:
+                    args[pos] = _value(a, env)
+            kwargs = {k: _value(a, env) for k, a in kw.items()} if kw is not None else NO_KWARGS
+            try:
+                out = _rng.replay_with_state(rng, func, args, kwargs) if rng is not None else op(*args, **kwargs)
+            except RecomputeError:
+                raise
+            except Exception as e:
+                raise RecomputeError(f"gradient_scope: replaying {func} failed during backward: {e}") from e
+            del args, kwargs
+            for k, var in outputs:
+                v = out if k == 0 and isinstance(out, Tensor) else out[k]
+                if (
+                    type(v) is not Tensor
+                    or v.dtype != var.dtype
+                    or (var.size is not None and v.shape != var.size)
+                    or v.device != var.device
+                    or debug_values
+                ):
+                    _check(func, var, v, debug_values)
+                if var is target:
+                    result = v
+                if id(var) in last_use:
+                    env[id(var)] = v
+                if var in keep:
+                    produced[var] = v
+            if i in drops:
+                for rid in drops[i]:
+                    env.pop(rid, None)
+    stats.replays += 1
+    stats.ops_replayed += len(plan)
+    if result is None:
+        raise RecomputeError(
+            f"gradient_scope: internal error: replay did not produce the {target.describe()}. Please report this."
+        )
+    return result
+
+
+NO_KWARGS: dict[str, Any] = {}  # shared, never written
+
+
+def _load(r: Ref, func: Any, cache: dict[tuple[Var, int], Tensor], freed: Callable[[Tensor], bool]) -> Tensor:
+    """The value of a ref a plan reads but does not make."""
+    if isinstance(r, Input):
+        return _input_value(r, func, freed)
+    v = cache.get((r, 0)) if not r.root.writes else None
+    if v is None:
+        e = _LIVE.get(r.key)
+        t = e() if e is not None and e.var is r else None
+        if t is None or t.is_inference() or t._version != r.version:
+            raise RecomputeError(
+                f"gradient_scope: internal error: no value for a {r.describe()} needed by "
+                f"{func}. Please report this."
+            )
+        v = t.detach()
+    return v
