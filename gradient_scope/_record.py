@@ -13,6 +13,7 @@ first: replay writes into copies of that snapshot, never into the real tensor
 from __future__ import annotations
 
 import operator
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,17 @@ Tensor = torch.Tensor
 _current_task = torch._C._current_graph_task_id
 _OpOverload = torch._ops.OpOverload
 _NO_KWARGS: dict[str, Any] = {}  # shared, never written
+_grad_enabled = torch.is_grad_enabled
+
+
+def _in_compiled_code() -> bool:
+    """An op run by a compiled artifact (always with grad disabled)? Compiled
+    artifacts need dynamo; without it loaded, no op is one."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from ._compile import in_compiled_code
+
+    return in_compiled_code()
 
 
 @dataclass
@@ -542,6 +554,13 @@ class RecordingMode(TorchDispatchMode):
     # run as they are: their outputs are stored, not recomputed.
     supports_higher_order_operators = True
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo compiles functions called inside a block (it skips frames under
+        # modes that say False); ops of the compiled artifacts are let through
+        # unrecorded, see _in_compiled_code.
+        return True
+
     def __init__(self, state: ThreadState) -> None:
         super().__init__()
         self.state = state
@@ -559,6 +578,8 @@ class RecordingMode(TorchDispatchMode):
         region = regions[-1]
         if region.task != _current_task():
             return func(*args, **kwargs)
+        if not _grad_enabled() and _in_compiled_code():
+            return func(*args, **kwargs)  # a compiled graph stores what it decides
         info = _INFO.get(func)
         if info is None or not info.simple or kwargs or region.save is not None or region.debug:
             return region.run(func, args, kwargs)

@@ -19,6 +19,8 @@ __all__ = ["recompute_scope", "recompute"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _serials = itertools.count(1)  # one per block entered, in entry order
+# True only while dynamo traces (torch >= 2.3; older: never).
+_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -57,6 +59,17 @@ class recompute_scope:
         >>> y = x * c              # ... even though mul saves it here
         >>> y.sum().backward()     # x = a + b is recomputed now
     """
+
+    def __new__(cls, *args: Any, **options: Any) -> Any:
+        # While dynamo traces, a scope is an annotation of the compiled graph
+        # (gradient_scope._compile); None there means "run it eagerly".
+        if _dynamo_compiling():
+            from . import _compile
+
+            block = _compile.traced_block(*args, **options)
+            if block is not None:
+                return block
+        return super().__new__(cls)
 
     def __init__(
         self,
