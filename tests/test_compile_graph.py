@@ -396,6 +396,20 @@ def test_invalid_options_in_compiled_code_raise_and_leave_config():
         torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(4, requires_grad=True))
 
 
+def test_compile_error_inside_a_scope_leaves_config():
+    """The session opened when dynamo met the scope is closed when the compile fails."""
+
+    def f(x):
+        with recompute_scope():
+            h = x.sin()
+            torch._dynamo.graph_break()  # fullgraph=True: dynamo raises here
+        return h * x
+
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(4, requires_grad=True))
+    # (the fixture checks joint_custom_pass, the end callbacks and the session)
+
+
 def test_existing_joint_custom_pass_is_chained_and_restored():
     seen = []
 
