@@ -49,6 +49,10 @@ class recompute_scope:
 
     Used as a decorator, each call of the function is its own block.
 
+    Inside code that ``torch.compile`` traces, the block is part of the compiled
+    graph: the compiled backward recomputes its tensors (nothing is recorded in
+    Python there; see ``gradient_scope._compile``).
+
     Example::
 
         >>> import torch

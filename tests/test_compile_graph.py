@@ -215,7 +215,10 @@ def test_inductor_scoped_graph_and_the_aot_cache():
     inputs = make_inputs((24, 24), (24, 24), (24, 24), seed=3)
     hits = lambda: counters["aot_autograd"]["autograd_cache_hit"]  # noqa: E731
     bypasses = lambda: counters["aot_autograd"]["autograd_cache_bypass"]  # noqa: E731
-    assert torch._functorch.config.enable_autograd_cache and torch._inductor.config.fx_graph_cache
+    from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
+
+    if not (should_use_local_autograd_cache() and torch._inductor.config.fx_graph_cache):
+        pytest.skip("the environment turned the AOTAutograd / FX graph caches off")
 
     plain1 = run(torch.compile(block_fn(False), backend="inductor", fullgraph=True), inputs)
     torch._dynamo.reset()
@@ -361,6 +364,9 @@ def test_stats_of_a_compiled_scope():
     fn = torch.compile(f, backend="aot_eager", fullgraph=True)
     x, c = make_inputs((4, 8), (4, 8))
     y, scope = fn(x, c)
+    # Nothing of ours is active at run time: no saved-tensor hooks, no dispatch mode.
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch._C._len_torch_dispatch_stack() == 0
     y.sum().backward()
     # Filled when the graph was compiled: sin and exp are the block's ops; the backward
     # reads one block tensor (exp's output: exp's own backward and k * c need it; sin's
@@ -465,6 +471,20 @@ def test_compiled_function_inside_eager_scope_is_compiled_and_not_recorded(backe
     # unrecorded (aot_eager runs aten ops, inductor mm.out into its own buffers).
     assert scope.stats.ops_recorded == 2
     assert scope.stats.tensors_packed >= 2  # h (saved by mul) and k (by exp)
+
+
+def test_inference_graph_inside_eager_scope_is_not_recorded():
+    """Inputs that need no gradient: AOTAutograd runs an inference graph (grad disabled,
+    no autograd.Function); its ops are not recorded either."""
+    cg = torch.compile(lambda a, b: (a @ b).relu() + 1, backend="aot_eager", fullgraph=True)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    with recompute_scope() as scope:
+        h = cg(a, b)  # mm, relu, add in the graph: not recorded
+        k = h * w  # recorded
+    assert scope.stats.ops_recorded == 1
+    k.sum().backward()
+    assert torch.equal(w.grad, (a @ b).relu() + 1)
 
 
 def test_compiled_scope_inside_eager_scope():
