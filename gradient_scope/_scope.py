@@ -19,7 +19,7 @@ __all__ = ["recompute_scope", "recompute"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _serials = itertools.count(1)  # one per block entered, in entry order
-# True only while dynamo traces (torch >= 2.3; older: never).
+# True only while dynamo traces (a torch without it: never).
 _dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
