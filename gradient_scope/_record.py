@@ -20,12 +20,20 @@ from ._block import BlockRecord, Frame, Var
 from ._ops import _FACTS, facts
 from ._recording import NO_KWARGS, Recording
 from ._registry import register
-from ._torch_compat import OpOverload, current_dispatch_mode, current_graph_task, remove_mode_from_under, skip_dynamo
+from ._torch_compat import (
+    OpOverload,
+    current_dispatch_mode,
+    current_graph_task,
+    in_compiled_code,
+    remove_mode_from_under,
+    skip_dynamo,
+)
 
 __all__ = ["Recorder", "add_close_listener", "open_block", "innermost", "close_block", "settle", "has_open_block", "paused"]
 
 Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
+_grad_enabled = torch.is_grad_enabled
 
 
 def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -36,6 +44,8 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     block = blocks[-1]
     if block.task != current_graph_task():  # R3
         return func(*args, **(kwargs or {}))
+    if not _grad_enabled() and in_compiled_code():
+        return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
     if block.unsettled:
         block.settle()
     f = _FACTS_GET(func)
@@ -67,6 +77,12 @@ class Recorder(TorchDispatchMode):
     # Higher-order operators (flex_attention, ...) reach __torch_dispatch__ and
     # run as they are (R2).
     supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo compiles functions called inside a block (it skips frames under
+        # modes that say False); the compiled artifacts' ops pass through (R7).
+        return True
 
     def __init__(self) -> None:
         super().__init__()

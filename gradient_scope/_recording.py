@@ -20,6 +20,8 @@ R5. An Input that is another block's live tensor is noted in the registry, so
 R6. A write's version is read after the op has returned to autograd, where
     ADInplaceOrView bumps it (some kernels write without a bump): when the next
     op is recorded, when a tensor is packed, or when the block closes.
+R7. Ops that a compiled artifact (``torch.compile``) runs inside a block are not
+    recorded: its graph stores what it decides (``_torch_compat.in_compiled_code``).
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ __all__ = ["recompute_scope", "recompute"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _serials = itertools.count(1)  # one per block entered, in entry order (I2)
+# True only while dynamo traces (a torch without it: never).
+_dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -51,6 +53,10 @@ class recompute_scope:
     Used as a decorator, each call of the function is its own block (each
     resumption, for a generator function or an ``async def`` function).
 
+    Inside code that ``torch.compile`` traces, the block is part of the compiled
+    graph: the compiled backward recomputes its tensors (nothing is recorded in
+    Python there; see ``gradient_scope._compile``).
+
     Example::
 
         >>> import torch
@@ -61,6 +67,17 @@ class recompute_scope:
         >>> y = x * c              # ... even though mul saves it here
         >>> y.sum().backward()     # x = a + b is recomputed now
     """
+
+    def __new__(cls, *args: Any, **options: Any) -> Any:
+        # While dynamo traces, a scope is an annotation of the compiled graph
+        # (gradient_scope._compile); None there means "run it eagerly".
+        if _dynamo_compiling():
+            from . import _compile
+
+            block = _compile.traced_block(*args, **options)
+            if block is not None:
+                return block
+        return super().__new__(cls)
 
     def __init__(
         self,

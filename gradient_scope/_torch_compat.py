@@ -9,6 +9,8 @@ are those the names exist in (checked on 2.4.0, 2.7.1, 2.8.0, 2.10.0, 2.13.0,
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -36,6 +38,7 @@ __all__ = [
     "remove_mode_from_under",
     "without_torch_function",
     "skip_dynamo",
+    "in_compiled_code",
     "innermost_function_mode",
     "remove_function_mode_from_under",
     "SEEDED_TAG",
@@ -203,6 +206,34 @@ def skip_dynamo(code: Any) -> bool:
     except (ImportError, AttributeError):
         return False
     return True
+
+
+_AOT_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
+_AOT_RUNTIME = "torch._functorch._aot_autograd.runtime_wrappers"
+_is_aot_code: dict[Any, bool] = {}
+
+
+def in_compiled_code() -> bool:
+    """True when the op being dispatched is run by a compiled artifact: AOTAutograd's
+    runtime (``torch/_functorch/_aot_autograd/``, any AOTAutograd backend) is on the
+    Python stack. Compiled forward graphs always run with grad disabled, so callers
+    ask this only then; before anything was compiled it is False at once."""
+    if _AOT_RUNTIME not in sys.modules:
+        return False
+    f: Any = sys._getframe(1)
+    for _ in range(256):
+        if f is None:
+            break
+        code = f.f_code
+        hit = _is_aot_code.get(code)
+        if hit is None:
+            if len(_is_aot_code) > 4096:  # code of graphs long gone: start afresh
+                _is_aot_code.clear()
+            hit = _is_aot_code[code] = code.co_filename.startswith(_AOT_DIR)
+        if hit:
+            return True
+        f = f.f_back
+    return False
 
 
 #: A guard under which no TorchFunctionMode sees the calls made.

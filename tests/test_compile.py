@@ -1,15 +1,16 @@
 """torch.compile and scopes: a compiled function called inside a scope, and a scope inside
 a compiled function.  Gradients must equal the plain (no-scope) program compiled the same
 way: bitwise for backend="eager"; for "aot_eager" and the default inductor backend the
-scoped and plain programs are not the same compiled graphs (Dynamo runs the code under an
-open block eagerly, see below; aot_eager's decompositions and inductor's fused kernels
+scoped and plain programs are not the same compiled graphs (the scope changes what the
+partitioner saves and recomputes; aot_eager's decompositions and inductor's fused kernels
 round differently from eager kernels), so there they must be within float tolerance of
 the plain compiled program and of plain eager.
 
-Observed on torch 2.13 CPU: Dynamo does not compile a frame while a TorchDispatchMode is
-active (the scope's recording mode while a block is open), and remembers that: a compiled
-function first called inside a block runs eagerly, then and later.  A scope inside a
-compiled function causes graph breaks around the scope's code.
+On torch 2.13: a compiled function called inside a block is compiled (the recording mode
+says ``ignore_compile_internals``) and its graph's ops are not recorded; a scope inside a
+compiled function is an annotation of the graph that AOTAutograd backends turn into
+recomputation in the compiled backward (tests/test_compile_graph.py checks what the
+compiled graphs keep); backend="eager" has no compiled backward and ignores it.
 """
 
 import contextlib
