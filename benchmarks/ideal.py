@@ -40,8 +40,9 @@ storage address is reused during the analysed forward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -73,7 +74,7 @@ def normalize_policy(save: Any) -> Callable[[Any], bool] | None:
 
 
 class _Marker(TorchDispatchMode):
-    def __init__(self, acct: "BlockAccounting", block: int) -> None:
+    def __init__(self, acct: BlockAccounting, block: int) -> None:
         super().__init__()
         self.acct = acct
         self.block = block

@@ -4,10 +4,17 @@ Tensors created inside a :class:`recompute_scope` are not kept for backward;
 they are recomputed from a record of the block's ops when backward needs them.
 """
 
+# First: raises ImportError naming the torch floor before any module below touches
+# torch's private APIs.
+from . import _torch_floor  # noqa: F401
+
+# isort: split
+
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
 from ._record import ScopeStats
 from ._scope import recompute, recompute_scope
+from ._version import __version__ as __version__
 from .policies import save_any, save_attention, save_matmuls, save_nothing
 
 __all__ = [
@@ -23,4 +30,3 @@ __all__ = [
     "save_matmuls",
     "save_nothing",
 ]
-__version__ = "0.1.0"

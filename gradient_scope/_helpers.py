@@ -14,8 +14,8 @@ from __future__ import annotations
 import inspect
 import operator
 import weakref
-from collections.abc import Iterable
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -65,7 +65,8 @@ def _class_forward(module: nn.Module) -> Callable[..., Any]:
         attr = klass.__dict__.get("forward")
         if attr is not None:
             get = getattr(type(attr), "__get__", None)
-            return get(attr, module, cls) if get is not None else attr
+            bound: Callable[..., Any] = get(attr, module, cls) if get is not None else attr
+            return bound
     raise AttributeError(f"{cls.__name__} has no forward")  # pragma: no cover (nn.Module has one)
 
 

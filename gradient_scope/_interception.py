@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,7 +87,7 @@ def _is_ours(pair: tuple[Callable[..., Any], Callable[..., Any]] | None) -> bool
 
 def _push_ours(serial: int) -> None:
     top = _top()
-    below = top[0].below if _is_ours(top) else top  # type: ignore[union-attr]
+    below = top[0].below if _is_ours(top) else top  # type: ignore[index, union-attr]
     _push(Entry(below, serial), _unpack)
 
 
@@ -172,7 +173,7 @@ def patches_installed() -> bool:
 def ensure_on_top(state: ThreadState, serial: int) -> None:
     """Make our pair the innermost one in this thread (block ``serial`` starts)."""
     global _installed_threads
-    if not _A._saved_tensors_hooks_is_enabled():
+    if not _A._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
             f"({_A._saved_tensors_hooks_get_disabled_error_message()}). This happens "

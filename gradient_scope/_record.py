@@ -15,8 +15,9 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,8 +160,8 @@ class Node:
         return f"tensor of shape {list(self.size)} ({self.dtype}, {self.device})"
 
 
-Group = Union[Node, ExternalRef]
-Ref = Union[Node, ExternalRef]
+Group = Node | ExternalRef
+Ref = Node | ExternalRef
 
 
 class OpRecord(tuple):  # type: ignore[type-arg]
@@ -424,7 +425,7 @@ class Region:
     def _is_saved(self, func: Any) -> bool:
         keep = self._saved_ops.get(func)
         if keep is None:
-            keep = self._saved_ops[func] = bool(self.save(func))
+            keep = self._saved_ops[func] = bool(self.save(func))  # type: ignore[misc]  # save is set here
         return keep
 
     # -- the hot path: keep it lean, it runs for every op of every block
@@ -463,7 +464,7 @@ class Region:
                 if not root.mutations:
                     root.mutations = []
                     self.mutated.append(root)
-                root.mutations.append((index, pre))  # type: ignore[union-attr]
+                root.mutations.append((index, pre))
         if isinstance(out, Tensor):
             kind = info.out0
             if kind != _INPLACE:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,10 +74,12 @@ def thread_state() -> ThreadState:
     return state
 
 
-class _Ref(weakref.ref):
+class _Ref(weakref.ref[torch.Tensor]):
     """Weak reference to a block tensor, with what the pack hook needs of it."""
 
     __slots__ = ("node", "region")
+    node: Node
+    region: Region
 
 
 _LIVE: dict[int, _Ref] = {}

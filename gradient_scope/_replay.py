@@ -14,7 +14,8 @@ handles are served, and the cache is dropped when the pass ends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -312,18 +313,18 @@ def _run(
             return t
         v = cache.get((r, 0)) if not r.root.mutations else None
         if v is None:
-            t = live_tensor(r)
-            if t is None or t._version != r.version:
+            live = live_tensor(r)
+            if live is None or live._version != r.version:
                 raise RecomputeError(
                     f"gradient_scope: internal error: no value for a {r.describe()} needed "
                     f"by {_op_name(func)}. Please report this."
                 )
-            v = t.detach()
+            v = live.detach()
         env[id(r)] = v
         return v
 
     def build(args: Any, func: Any) -> Any:
-        out = []
+        out: list[Any] = []
         for a in args:
             if isinstance(a, (Node, ExternalRef)):
                 out.append(value_of(a, func))

@@ -11,7 +11,8 @@ because saved-tensor hooks switch off PyTorch's own in-place check.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
     state.busy += 1
     try:
         entry = lookup(t)
-        view = None
+        view: tuple[Any, Any, Any] | None = None
         if entry is None:
             base = t._base
             if base is not None:
@@ -140,7 +141,7 @@ def pack(hook: _interception.Entry, t: torch.Tensor) -> Any:
         state.busy -= 1
 
 
-def unpack(packed: Any) -> torch.Tensor:
+def unpack(packed: Handle | _Plain | _Foreign) -> torch.Tensor:
     state = thread_state()
     state.busy += 1
     try:

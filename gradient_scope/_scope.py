@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable
-from typing import Any, Callable, TypeVar, overload
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast, overload
 
 import torch
 
 from . import _interception, _saving  # noqa: F401  (_saving installs the hook bodies)
+from ._policy import make_save_policy
 from ._record import RecordingMode, Region, ScopeStats
 from ._registry import thread_state
-from ._policy import make_save_policy
 
 __all__ = ["recompute_scope", "recompute"]
 
@@ -66,7 +66,7 @@ class recompute_scope:
         enabled: bool = True,
         debug: bool = False,
     ) -> None:
-        self._options = dict(
+        self._options: dict[str, Any] = dict(
             preserve_rng_state=_check_bool("preserve_rng_state", preserve_rng_state),
             save=save,
             enabled=_check_bool("enabled", enabled),
@@ -183,10 +183,7 @@ class recompute_scope:
                 mode.__exit__(None, None, None)
             _interception.sweep()
 
-    @overload
-    def __call__(self, fn: F) -> F: ...
-
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, fn: F) -> F:
         if not callable(fn):
             raise TypeError(f"recompute_scope(...) decorates a callable, got {type(fn).__name__}")
         options = self._options
@@ -196,7 +193,7 @@ class recompute_scope:
             with recompute_scope(**options):
                 return fn(*args, **kwargs)
 
-        return wrapper
+        return cast(F, wrapper)
 
 
 @overload

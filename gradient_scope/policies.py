@@ -25,7 +25,8 @@ record.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -127,9 +128,9 @@ def _aten_name(op: Any) -> str | None:
     if schema is not None:
         if schema.is_mutable:
             return None
-        qualified = schema.name
+        qualified: str = schema.name
     else:  # an OpOverloadPacket, if someone asks about one
-        qualified = getattr(op, "_qualified_op_name", None)
+        qualified = getattr(op, "_qualified_op_name", "")
         if not isinstance(qualified, str):
             return None
     namespace, sep, name = qualified.partition("::")
