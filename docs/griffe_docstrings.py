@@ -36,6 +36,6 @@ class SphinxToMarkdown(Extension):
                 obj.docstring.value = _EXAMPLE.sub(r"\1Examples:", text)
             for member in obj.members.values():
                 if not member.is_alias:
-                    visit(member)  # type: ignore[arg-type]
+                    visit(member)
 
         visit(pkg)
