@@ -28,12 +28,16 @@ def _major_minor(version: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def check_torch() -> None:
+def check_torch(version: str | None = None, autograd: object | None = None) -> None:
     """Raise ``ImportError`` naming the floor when the installed torch is older than it.
 
-    A version string that cannot be parsed is judged by the API alone.
+    ``version`` and ``autograd`` stand in for ``torch.__version__`` and
+    ``torch._C._autograd`` (tests pass others). A version string that cannot be parsed
+    is judged by the API alone.
     """
-    installed = str(getattr(torch, "__version__", "unknown"))
+    installed = str(getattr(torch, "__version__", "unknown")) if version is None else version
+    if autograd is None:
+        autograd = torch._C._autograd
     floor = "{}.{}".format(*TORCH_FLOOR)
     parsed = _major_minor(installed)
     if parsed is not None and parsed < TORCH_FLOOR:
@@ -41,7 +45,7 @@ def check_torch() -> None:
             f"gradient_scope requires torch>={floor}, but torch {installed} is installed. "
             f"Upgrade it, e.g. pip install --upgrade 'torch>={floor}'."
         )
-    if not hasattr(torch._C._autograd, REQUIRED_API):
+    if not hasattr(autograd, REQUIRED_API):
         raise ImportError(
             f"gradient_scope requires torch>={floor}: the installed torch {installed} lacks "
             f"torch._C._autograd.{REQUIRED_API}, which gradient_scope uses. "

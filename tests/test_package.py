@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -54,28 +55,29 @@ def test_version_parsing(version, parsed):
 
 
 @pytest.mark.parametrize("version", ["2.7.1", "2.4.0", "1.13.1+cu117", "2.7.0a0+gitdeadbee"])
-def test_check_rejects_torch_below_the_floor(monkeypatch, version):
-    monkeypatch.setattr(torch, "__version__", version)
+def test_check_rejects_torch_below_the_floor(version):
     with pytest.raises(ImportError) as info:
-        _torch_floor.check_torch()
+        _torch_floor.check_torch(version)
     message = str(info.value)
     assert f"torch>={FLOOR}" in message
     assert f"torch {version} is installed" in message
 
 
 @pytest.mark.parametrize("version", [FLOOR + ".0", "2.13.0+cpu", "3.0.0", "not-a-version"])
-def test_check_accepts_the_floor_and_later(monkeypatch, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    _torch_floor.check_torch()  # the API is present (this torch), so nothing raises
+def test_check_accepts_the_floor_and_later(version):
+    _torch_floor.check_torch(version)  # this torch has the API, so nothing raises
+    _torch_floor.check_torch()  # and the installed torch passes
 
 
-def test_check_rejects_torch_without_the_api(monkeypatch):
+def test_check_rejects_torch_without_the_api():
     # A build that calls itself new enough but lacks the private API the library uses.
-    monkeypatch.delattr(torch._C._autograd, _torch_floor.REQUIRED_API)
-    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    without_api = types.SimpleNamespace()
     with pytest.raises(ImportError, match=_torch_floor.REQUIRED_API) as info:
-        _torch_floor.check_torch()
+        _torch_floor.check_torch("2.99.0", without_api)
     assert f"torch>={FLOOR}" in str(info.value)
+    assert "torch 2.99.0 lacks" in str(info.value)
+    with_api = types.SimpleNamespace(**{_torch_floor.REQUIRED_API: lambda *a: None})
+    _torch_floor.check_torch("2.99.0", with_api)
 
 
 def _import_with_torch_version(version: str) -> subprocess.CompletedProcess:
