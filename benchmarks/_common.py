@@ -14,7 +14,8 @@ import os
 import platform
 import statistics
 import subprocess
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -60,10 +61,7 @@ def interception_gone() -> bool:
     """True when no saved-tensor hook pair and no dispatch mode is active (as before a step)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return (
-        torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        and _get_current_dispatch_mode() is None
-    )
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None and _get_current_dispatch_mode() is None
 
 
 def load_average() -> list[float] | None:
@@ -171,7 +169,9 @@ def interleaved_rounds(steps: dict[str, Callable[[], float]], rounds: int) -> di
     return times
 
 
-def ratio_summary(times: dict[str, list[float]], bases: Iterable[str] = ("plain", "checkpoint")) -> dict[str, dict[str, Any]]:
+def ratio_summary(
+    times: dict[str, list[float]], bases: Iterable[str] = ("plain", "checkpoint")
+) -> dict[str, dict[str, Any]]:
     """Per name: all times, median, quartiles, and for each base present the median (and
     quartiles) of the per-round ratios ``time / base time`` (robust to the machine getting
     slower or faster between rounds)."""

@@ -17,16 +17,17 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-import quickstart as qs  # noqa: E402
+from benchmarks.memory import profile_cpu_memory
+from gradient_scope import apply_recompute, recompute_scope
 
-from benchmarks.memory import profile_cpu_memory  # noqa: E402
-from gradient_scope import apply_recompute, recompute_scope  # noqa: E402
+import quickstart as qs
 
 MiB = 2**20
 

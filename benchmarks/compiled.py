@@ -40,7 +40,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -196,7 +197,7 @@ class CompiledBench:
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.manual_seed(self.seed)
-        loss, held, peak = measure(lambda: self.compiled[name](self.x, self.y), lambda l: l.backward())
+        loss, held, peak = measure(lambda: self.compiled[name](self.x, self.y), lambda loss: loss.backward())
         out["held"], out["peak"] = held, peak
         del loss
         return out
@@ -370,7 +371,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         f" at end: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_end', []))}"
         " (the machine is shared: step times are noisy, see the A/A row)",
         f"- model: {cfg.describe()}",
-        "- every strategy: `torch.compile(model, backend=\"inductor\", fullgraph=True)`, one fwd+bwd step "
+        '- every strategy: `torch.compile(model, backend="inductor", fullgraph=True)`, one fwd+bwd step '
         "(no optimizer), same weights, batch and seed",
         "- saved for backward: distinct storages autograd keeps (saved-tensor hook around the compiled call; "
         "parameters and batch excluded); held / peak: CPU profiler (benchmarks/memory.py)",
@@ -410,7 +411,7 @@ def to_markdown(results: dict[str, Any]) -> str:
             )
         )
     if chain is None:
-        return "\n".join(lines + [""])
+        return "\n".join([*lines, ""])
     c = chain["scope_cost_us_per_op"]
     q = chain["scope_cost_us_per_op_quartiles"]
     lines += [
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # cached variants of GPT.forward.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     t0 = time.perf_counter()
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, flush=True)
     machine = machine_info("cpu")
     log(f"compiled strategies on {GPTConfig(**preset['model'].asdict()).describe()}")
     main_res = run_compiled_suite(preset["model"], rounds, a.seed, log)

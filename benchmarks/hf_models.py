@@ -21,8 +21,9 @@ whose running statistics must be updated once per step, not again in recomputati
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -76,49 +77,98 @@ def _make_gpt2(gen: torch.Generator, *, layers: int, hidden: int, heads: int, se
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
-        bos_token_id=0, eos_token_id=0, use_cache=False,  # dropouts: 0.1 (config default)
+        vocab_size=vocab,
+        n_positions=seq,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,  # dropouts: 0.1 (config default)
     )
     ids = _tokens(gen, vocab, batch, seq)
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
 def _make_llama(
-    gen: torch.Generator, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int, batch: int, vocab: int
+    gen: torch.Generator,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    seq: int,
+    batch: int,
+    vocab: int,
 ):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
-        attention_dropout=0.1, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+        attention_dropout=0.1,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     ids = _tokens(gen, vocab, batch, seq)
     return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
 def _make_mixtral(
-    gen: torch.Generator, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, experts: int,
-    seq: int, batch: int, vocab: int,
+    gen: torch.Generator,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    experts: int,
+    seq: int,
+    batch: int,
+    vocab: int,
 ):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
-        num_experts_per_tok=2, max_position_embeddings=seq, attention_dropout=0.1, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=seq,
+        attention_dropout=0.1,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     ids = _tokens(gen, vocab, batch, seq)
     return MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
 
-def _make_bert(gen: torch.Generator, *, layers: int, hidden: int, heads: int, ffn: int, seq: int, batch: int, vocab: int):
+def _make_bert(
+    gen: torch.Generator, *, layers: int, hidden: int, heads: int, ffn: int, seq: int, batch: int, vocab: int
+):
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=ffn, max_position_embeddings=seq,  # dropouts: 0.1 (config default)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=seq,  # dropouts: 0.1 (config default)
     )
     ids = _tokens(gen, vocab, batch, seq)
     labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
@@ -129,22 +179,39 @@ def _make_t5(gen: torch.Generator, *, layers: int, hidden: int, heads: int, ffn:
     from transformers import T5Config, T5ForConditionalGeneration
 
     cfg = T5Config(
-        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers,
-        num_decoder_layers=layers, num_heads=heads, dropout_rate=0.1, use_cache=False,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        vocab_size=vocab,
+        d_model=hidden,
+        d_kv=hidden // heads,
+        d_ff=ffn,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=heads,
+        dropout_rate=0.1,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     ids = _tokens(gen, vocab, batch, seq)
     labels = _tokens(gen, vocab, batch, max(1, seq // 2))
     return T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": labels}
 
 
-def _make_vit(gen: torch.Generator, *, layers: int, hidden: int, heads: int, ffn: int, image: int, patch: int, batch: int):
+def _make_vit(
+    gen: torch.Generator, *, layers: int, hidden: int, heads: int, ffn: int, image: int, patch: int, batch: int
+):
     from transformers import ViTConfig, ViTForImageClassification
 
     cfg = ViTConfig(
-        image_size=image, patch_size=patch, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=ffn, num_labels=10,
-        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        image_size=image,
+        patch_size=patch,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        num_labels=10,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
     )
     pixels = torch.randn(batch, 3, image, image, generator=gen)
     labels = torch.randint(0, 10, (batch,), generator=gen)
@@ -155,7 +222,11 @@ def _make_resnet(gen: torch.Generator, *, widths: list[int], depths: list[int], 
     from transformers import ResNetConfig, ResNetForImageClassification
 
     cfg = ResNetConfig(
-        embedding_size=widths[0], hidden_sizes=widths, depths=depths, layer_type="basic", num_labels=10,
+        embedding_size=widths[0],
+        hidden_sizes=widths,
+        depths=depths,
+        layer_type="basic",
+        num_labels=10,
     )
     pixels = torch.randn(batch, 3, image, image, generator=gen)
     labels = torch.randint(0, 10, (batch,), generator=gen)
@@ -175,8 +246,11 @@ MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
         ModelSpec(
-            "gpt2", "GPT2LMHeadModel (causal LM, learned positions, GELU MLP, dropout 0.1)",
-            block="GPT2Block", parts=("GPT2Attention", "GPT2MLP"), parts_desc="GPT2Attention, GPT2MLP",
+            "gpt2",
+            "GPT2LMHeadModel (causal LM, learned positions, GELU MLP, dropout 0.1)",
+            block="GPT2Block",
+            parts=("GPT2Attention", "GPT2MLP"),
+            parts_desc="GPT2Attention, GPT2MLP",
             make=_make_gpt2,
             sizes={
                 "full": dict(layers=4, hidden=256, heads=4, **_LM),
@@ -186,8 +260,11 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "llama", "LlamaForCausalLM (RMSNorm, rotary, GQA 4q/2kv heads, SwiGLU, attention dropout 0.1)",
-            block="LlamaDecoderLayer", parts=("LlamaAttention", "LlamaMLP"), parts_desc="LlamaAttention, LlamaMLP",
+            "llama",
+            "LlamaForCausalLM (RMSNorm, rotary, GQA 4q/2kv heads, SwiGLU, attention dropout 0.1)",
+            block="LlamaDecoderLayer",
+            parts=("LlamaAttention", "LlamaMLP"),
+            parts_desc="LlamaAttention, LlamaMLP",
             make=_make_llama,
             sizes={
                 "full": dict(layers=4, hidden=256, heads=4, kv_heads=2, ffn=688, **_LM),
@@ -196,8 +273,10 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "bert", "BertForMaskedLM (encoder, post-LN, GELU MLP, dropout 0.1, 15% of tokens labelled)",
-            block="BertLayer", parts=("BertAttention", "BertIntermediate", "BertOutput"),
+            "bert",
+            "BertForMaskedLM (encoder, post-LN, GELU MLP, dropout 0.1, 15% of tokens labelled)",
+            block="BertLayer",
+            parts=("BertAttention", "BertIntermediate", "BertOutput"),
             parts_desc="BertAttention, BertIntermediate, BertOutput",
             make=_make_bert,
             sizes={
@@ -207,9 +286,13 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "resnet", "ResNetForImageClassification (basic blocks, BatchNorm, ReLU)",
-            block="ResNetBasicLayer", parts=(), parts_desc="residual branch of each block (no attention/MLP)",
-            make=_make_resnet, select_parts=_resnet_branches,
+            "resnet",
+            "ResNetForImageClassification (basic blocks, BatchNorm, ReLU)",
+            block="ResNetBasicLayer",
+            parts=(),
+            parts_desc="residual branch of each block (no attention/MLP)",
+            make=_make_resnet,
+            select_parts=_resnet_branches,
             sizes={
                 "full": dict(widths=[32, 64, 128, 256], depths=[2, 2, 2, 2], image=96, batch=16),
                 "quick": dict(widths=[16, 32, 64, 128], depths=[1, 1, 1, 1], image=64, batch=8),
@@ -217,8 +300,11 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "vit", "ViTForImageClassification (encoder, 64x64 images, 8x8 patches, dropout 0.1)",
-            block="ViTLayer", parts=("ViTAttention", "ViTMLP"), parts_desc="ViTAttention, ViTMLP",
+            "vit",
+            "ViTForImageClassification (encoder, 64x64 images, 8x8 patches, dropout 0.1)",
+            block="ViTLayer",
+            parts=("ViTAttention", "ViTMLP"),
+            parts_desc="ViTAttention, ViTMLP",
             make=_make_vit,
             sizes={
                 "full": dict(layers=4, hidden=256, heads=4, ffn=1024, image=64, patch=8, batch=8),
@@ -227,8 +313,11 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "t5", "T5ForConditionalGeneration (encoder-decoder, relative position bias, dropout 0.1)",
-            block="T5Block", parts=("T5Attention", "T5DenseActDense"), parts_desc="T5Attention (self and cross), T5DenseActDense",
+            "t5",
+            "T5ForConditionalGeneration (encoder-decoder, relative position bias, dropout 0.1)",
+            block="T5Block",
+            parts=("T5Attention", "T5DenseActDense"),
+            parts_desc="T5Attention (self and cross), T5DenseActDense",
             make=_make_t5,
             sizes={
                 "full": dict(layers=3, hidden=256, heads=4, ffn=1024, **_LM),
@@ -237,8 +326,10 @@ MODELS: dict[str, ModelSpec] = {
             },
         ),
         ModelSpec(
-            "mixtral", "MixtralForCausalLM (sparse MoE: 4 experts, top-2 routing, GQA, attention dropout 0.1)",
-            block="MixtralDecoderLayer", parts=("MixtralAttention", "MixtralSparseMoeBlock"),
+            "mixtral",
+            "MixtralForCausalLM (sparse MoE: 4 experts, top-2 routing, GQA, attention dropout 0.1)",
+            block="MixtralDecoderLayer",
+            parts=("MixtralAttention", "MixtralSparseMoeBlock"),
             parts_desc="MixtralAttention, MixtralSparseMoeBlock",
             make=_make_mixtral,
             sizes={
@@ -298,11 +389,11 @@ def build(name: str, size: str, seed: int, **overrides: Any) -> Built:
         raise RuntimeError(f"{name}: no {spec.block} module in the model (transformers version?)")
     gcl = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if gcl and all(type(m).__name__ == spec.block for m in gcl) and len(gcl) == len(blocks):
-        is_layer: Callable[[nn.Module], bool] = lambda m: isinstance(m, GradientCheckpointingLayer)  # noqa: E731
+        is_layer: Callable[[nn.Module], bool] = lambda m: isinstance(m, GradientCheckpointingLayer)
         layer_class = f"GradientCheckpointingLayer ({spec.block})"
     else:
         block_cls = type(blocks[0])
-        is_layer = lambda m: isinstance(m, block_cls)  # noqa: E731
+        is_layer = lambda m: isinstance(m, block_cls)
         layer_class = spec.block
     if spec.select_parts is not None:
         chosen = {id(m) for m in spec.select_parts(model)}

@@ -40,8 +40,9 @@ storage address is reused during the analysed forward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -59,7 +60,7 @@ def storage_key(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 class _Marker(TorchDispatchMode):
-    def __init__(self, acct: "BlockAccounting", block: int) -> None:
+    def __init__(self, acct: BlockAccounting, block: int) -> None:
         super().__init__()
         self.acct = acct
         self.block = block

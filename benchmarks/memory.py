@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function

@@ -73,7 +73,7 @@ def _call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: "GPT"):
+    def __init__(self, cfg: GPTConfig, owner: GPT):
         super().__init__()
         assert cfg.d_model % cfg.n_head == 0
         self.cfg = cfg
@@ -104,7 +104,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: "GPT"):
+    def __init__(self, cfg: GPTConfig, owner: GPT):
         super().__init__()
         self._owner = weakref.ref(owner)
         self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model)
@@ -118,7 +118,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: "GPT"):
+    def __init__(self, cfg: GPTConfig, owner: GPT):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg, owner)

@@ -38,7 +38,8 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -98,7 +99,9 @@ Batch = dict[str, torch.Tensor]
 # ---------------------------------------------------------------------- strategies
 
 
-def apply_strategy(model: nn.Module, name: str, is_layer: Callable[[nn.Module], bool], parts: list[nn.Module]) -> nn.Module:
+def apply_strategy(
+    model: nn.Module, name: str, is_layer: Callable[[nn.Module], bool], parts: list[nn.Module]
+) -> nn.Module:
     """Make ``model`` (in place) run strategy ``name``; returns the model.
 
     ``is_layer`` picks the layers; ``parts`` are the model's own attention/MLP modules.
@@ -149,7 +152,12 @@ def _compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str
         if not torch.equal(x, y):
             differing.append(k)
             worst = max(worst, (x.double() - y.double()).abs().max().item())
-    return {"max_abs_diff": worst, "bitwise_equal": not differing, "differing": differing[:5], "n_differing": len(differing)}
+    return {
+        "max_abs_diff": worst,
+        "bitwise_equal": not differing,
+        "differing": differing[:5],
+        "n_differing": len(differing),
+    }
 
 
 class Runner:
@@ -178,11 +186,7 @@ class Runner:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Copies of the gradients, by parameter name without checkpoint_wrapper's level."""
-        return {
-            _plain_name(n): p.grad.detach().clone()
-            for n, p in self.model.named_parameters()
-            if p.grad is not None
-        }
+        return {_plain_name(n): p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Copies of all buffers (BatchNorm statistics, ...), by plain name."""
@@ -193,7 +197,7 @@ class Runner:
         self.model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
         gc.collect()
-        loss, held, peak = measure(lambda: _loss(self.model, self.batch), lambda l: l.backward(), self.device)
+        loss, held, peak = measure(lambda: _loss(self.model, self.batch), lambda loss: loss.backward(), self.device)
         out = {"held": held, "peak": peak, "loss": loss.detach().clone(), "grads": self.grads()}
         del loss
         self.opt.step()
@@ -254,7 +258,9 @@ def _prepare(name: str, size: str, device: str, dtype: torch.dtype, seed: int, *
 
     built = build(name, size, seed, **overrides)
     base = built.model.to(device=device, dtype=dtype)
-    batch = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)) for k, v in built.batch.items()}
+    batch = {
+        k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)) for k, v in built.batch.items()
+    }
     torch.manual_seed(seed)
     _loss(base, batch).backward()
     base.zero_grad(set_to_none=True)
@@ -315,7 +321,8 @@ def _run_model(
             if ref is not None:
                 r["grads_vs_plain"] = _compare(outcome["grads"], ref["grads"])
                 r["losses_vs_plain"] = _compare(
-                    {str(i): x for i, x in enumerate(outcome["losses"])}, {str(i): x for i, x in enumerate(ref["losses"])}
+                    {str(i): x for i, x in enumerate(outcome["losses"])},
+                    {str(i): x for i, x in enumerate(ref["losses"])},
                 )
                 r["buffers_vs_plain"] = _compare(outcome["buffers"], ref["buffers"])
             runners[s] = runner
@@ -447,31 +454,56 @@ def compute_targets(models: dict[str, Any], sweep: dict[str, Any] | None) -> lis
             q = aa["ratio_vs_plain_quartiles"]
             noise = f"A/A {aa['ratio_vs_plain']:.3f}x (IQR {q[0]:.3f}-{q[1]:.3f})"
         if ok(sl, "peak") and ok(ck, "peak"):
-            add("scope_layer peak <= checkpoint's", m,
+            add(
+                "scope_layer peak <= checkpoint's",
+                m,
                 f"{fmt_mib(sl['peak'])} vs {fmt_mib(ck['peak'])} MiB ({sl['peak'] / ck['peak']:.3f}x)",
-                sl["peak"] <= ck["peak"])
-            add("scope_layer held after forward <= checkpoint's", m,
+                sl["peak"] <= ck["peak"],
+            )
+            add(
+                "scope_layer held after forward <= checkpoint's",
+                m,
                 f"{fmt_mib(sl['held'])} vs {fmt_mib(ck['held'])} MiB ({sl['held'] / ck['held']:.3f}x)",
-                sl["held"] <= ck["held"])
+                sl["held"] <= ck["held"],
+            )
         if ok(sl, "ratio_vs_checkpoint"):
             q = sl["ratio_vs_checkpoint_quartiles"]
-            add("scope_layer step time <= 1.00x checkpoint's", m,
+            add(
+                "scope_layer step time <= 1.00x checkpoint's",
+                m,
                 f"{sl['ratio_vs_checkpoint']:.3f}x (IQR {q[0]:.3f}-{q[1]:.3f})",
-                sl["ratio_vs_checkpoint"] <= 1.00, noise)
+                sl["ratio_vs_checkpoint"] <= 1.00,
+                noise,
+            )
         if ok(sa, "peak") and ok(ck, "peak"):
-            add("scope_attn_mlp peak < checkpoint's", m,
+            add(
+                "scope_attn_mlp peak < checkpoint's",
+                m,
                 f"{fmt_mib(sa['peak'])} vs {fmt_mib(ck['peak'])} MiB ({sa['peak'] / ck['peak']:.3f}x)",
                 sa["peak"] < ck["peak"],
-                "residual branches (no attention/MLP)" if m == "resnet" else "")
+                "residual branches (no attention/MLP)" if m == "resnet" else "",
+            )
         scoped = [k for k in SCOPE_STRATEGIES if ok(s.get(k), "grads_vs_plain")]
         if scoped:
-            bad = [k for k in scoped if not (s[k]["grads_vs_plain"]["bitwise_equal"] and s[k]["losses_vs_plain"]["bitwise_equal"])]
+            bad = [
+                k
+                for k in scoped
+                if not (s[k]["grads_vs_plain"]["bitwise_equal"] and s[k]["losses_vs_plain"]["bitwise_equal"])
+            ]
             worst = max(s[k]["grads_vs_plain"]["max_abs_diff"] or 0.0 for k in scoped)
-            add("scope strategies: gradients and losses bitwise equal to plain", m,
-                f"max abs grad diff {worst:g}" + (f"; differ: {', '.join(bad)}" if bad else ""), not bad)
+            add(
+                "scope strategies: gradients and losses bitwise equal to plain",
+                m,
+                f"max abs grad diff {worst:g}" + (f"; differ: {', '.join(bad)}" if bad else ""),
+                not bad,
+            )
             bad_b = [k for k in scoped if not s[k]["buffers_vs_plain"]["bitwise_equal"]]
-            add("scope strategies: buffers bitwise equal to plain after training", m,
-                "equal" if not bad_b else f"differ: {', '.join(bad_b)}", not bad_b)
+            add(
+                "scope strategies: buffers bitwise equal to plain after training",
+                m,
+                "equal" if not bad_b else f"differ: {', '.join(bad_b)}",
+                not bad_b,
+            )
         failed = [k for k, v in s.items() if "error" in v]
         if failed:
             add("every strategy runs", m, f"failed: {', '.join(failed)}", False)
@@ -488,13 +520,16 @@ def compute_targets(models: dict[str, Any], sweep: dict[str, Any] | None) -> lis
                 grow = v["excess_bytes"][-1] - v["excess_bytes"][0]
                 tol = SWEEP_TOLERANCE * unit * span if unit else 64 * KiB
                 li = v["slope_layer_inputs_per_layer"]
-                add(f"depth sweep: scope_layer {metric} excess over checkpoint does not grow with depth",
+                add(
+                    f"depth sweep: scope_layer {metric} excess over checkpoint does not grow with depth",
                     f"{sweep['model']} x{v['depths'][0]}-{v['depths'][-1]}",
                     f"excess {v['excess_bytes'][0] / KiB:+.0f} KiB at {v['depths'][0]} layers, "
                     f"{v['excess_bytes'][-1] / KiB:+.0f} KiB at {v['depths'][-1]}"
                     + ("" if li is None else f"; slope {li:+.2f} layer inputs per layer"),
                     grow <= tol,
-                    f"met when it grows by <= {SWEEP_TOLERANCE:g} layer input per added layer ({tol / KiB:.0f} KiB here)")
+                    f"met when it grows by <= {SWEEP_TOLERANCE:g} layer input per added layer "
+                    f"({tol / KiB:.0f} KiB here)",
+                )
     return T
 
 
@@ -549,7 +584,8 @@ def model_markdown(res: dict[str, Any]) -> str:
             f"| {1e3 * v['time_median_s']:.1f} | {ratio(v, 'plain')} | {ratio(v, 'checkpoint')} "
             f"| {_eq(v, 'grads_vs_plain')} | {_eq(v, 'losses_vs_plain')} | {_eq(v, 'buffers_vs_plain')} |"
             if "time_median_s" in v
-            else f"| {name} | {fmt_mib(v.get('held'))} | {fmt_mib(v.get('peak'))} | {rel(v, 'held')} | {rel(v, 'peak')} "
+            else f"| {name} | {fmt_mib(v.get('held'))} | {fmt_mib(v.get('peak'))} | {rel(v, 'held')} "
+            f"| {rel(v, 'peak')} "
             f"| | | | {_eq(v, 'grads_vs_plain')} | {_eq(v, 'losses_vs_plain')} | {_eq(v, 'buffers_vs_plain')} |"
         )
     return "\n".join(lines)
@@ -559,7 +595,8 @@ def sweep_markdown(sw: dict[str, Any]) -> str:
     """The depth sweep as a Markdown table, then the growth of each scope's excess."""
     strats = sw["strategies"]
     lines = [
-        "| layers | layer input (KiB) | " + " | ".join(f"{s} held / peak (MiB)" for s in strats)
+        "| layers | layer input (KiB) | "
+        + " | ".join(f"{s} held / peak (MiB)" for s in strats)
         + " | scope_layer - checkpoint: held / peak (KiB) |",
         "| ---: | ---: | " + " | ".join("---:" for _ in strats) + " | ---: |",
     ]
@@ -576,7 +613,8 @@ def sweep_markdown(sw: dict[str, Any]) -> str:
         sl, ck = row.get("scope_layer", {}), row.get("checkpoint", {})
         diff = (
             f"{(sl['held'] - ck['held']) / KiB:+.0f} / {(sl['peak'] - ck['peak']) / KiB:+.0f}"
-            if "peak" in sl and "peak" in ck else ""
+            if "peak" in sl and "peak" in ck
+            else ""
         )
         li = row.get("layer_input_bytes")
         lines.append(f"| {d} | {'' if li is None else f'{li / KiB:.0f}'} | " + " | ".join(cells) + f" | {diff} |")
@@ -590,7 +628,7 @@ def sweep_markdown(sw: dict[str, Any]) -> str:
                     f"- `{s}` - `checkpoint` {metric}: {v['slope_bytes_per_layer'] / KiB:+.1f} KiB per added layer"
                     + ("" if li is None else f" ({li:+.2f} layer inputs)")
                 )
-    return "\n".join(lines + ([""] + slopes if slopes else []))
+    return "\n".join(lines + (["", *slopes] if slopes else []))
 
 
 def write_markdown(results: dict[str, Any], path: str, charts: list[str]) -> None:
@@ -609,11 +647,20 @@ def write_markdown(results: dict[str, Any], path: str, charts: list[str]) -> Non
         f"- torch {m['torch']}, transformers {m.get('transformers')}, Python {m['python']}, "
         f"gradient_scope {m['gradient_scope']}" + (f" (git {m['git_commit']})" if m.get("git_commit") else ""),
         f"- load average at start: {la0}; at end: {la1}"
-        + (" -- **the machine was busy: timings are noisy** (memory figures are exact)"
-           if max(m.get("load_average_at_start", [0])[:1] + m.get("load_average_at_end", [0])[:1]) > 0.5 * (m["cpu_cores"] or 1)
-           else ""),
+        + (
+            " -- **the machine was busy: timings are noisy** (memory figures are exact)"
+            if max(m.get("load_average_at_start", [0])[:1] + m.get("load_average_at_end", [0])[:1])
+            > 0.5 * (m["cpu_cores"] or 1)
+            else ""
+        ),
         f"- device {results['device']}, dtype {results['dtype']}, size {results['size']}, seed {results['seed']}",
-        f"- memory: {'torch.cuda memory stats' if results['device'].startswith('cuda') else 'CPU profiler (profile_memory=True), benchmarks/memory.py'}"
+        "- memory: "
+        + (
+            "torch.cuda memory stats"
+            if results["device"].startswith("cuda")
+            else "CPU profiler (profile_memory=True), benchmarks/memory.py"
+        )
+        +
         "; held = allocated during forward and still allocated after it; peak = highest level during fwd+bwd "
         "(first training step, gradients included)",
         f"- step time: fwd+bwd (no optimizer step), median of {results['rounds']} interleaved rounds (order rotated "
@@ -647,8 +694,11 @@ def write_markdown(results: dict[str, Any], path: str, charts: list[str]) -> Non
             for key in ("grads_vs_plain", "buffers_vs_plain"):
                 c = v.get(key)
                 if c and not c["bitwise_equal"] and c.get("differing"):
-                    out.append(f"- {k}: {key.replace('_vs_plain', '')} differing from plain: "
-                               + ", ".join(f"`{n}`" for n in c["differing"]) + ("" if c.get("n_differing", 0) <= 5 else ", ..."))
+                    out.append(
+                        f"- {k}: {key.replace('_vs_plain', '')} differing from plain: "
+                        + ", ".join(f"`{n}`" for n in c["differing"])
+                        + ("" if c.get("n_differing", 0) <= 5 else ", ...")
+                    )
         out.append("")
     sw = results.get("sweep")
     if sw:
@@ -688,7 +738,7 @@ def make_charts(results: dict[str, Any], out_dir: str) -> list[str]:
             ax.set_xticks(list(xs), ks, rotation=35, ha="right", fontsize=7)
             ax.set_title(n)
             ax.set_ylabel("MiB")
-        for ax in list(axes.flat)[len(names):]:
+        for ax in list(axes.flat)[len(names) :]:
             ax.axis("off")
         axes.flat[0].legend(fontsize=7)
         fig.suptitle("Memory per model and strategy (dashed: checkpoint's peak)")
@@ -729,11 +779,20 @@ def make_charts(results: dict[str, Any], out_dir: str) -> list[str]:
             pts = [(d, sw["results"][str(d)].get(st, {})) for d in ds]
             pts = [(d, v) for d, v in pts if "peak" in v]
             a1.plot([d for d, _ in pts], [v["peak"] / MiB for _, v in pts], "o-", color=f"C{i}", label=f"{st} peak")
-            a1.plot([d for d, _ in pts], [v["held"] / MiB for _, v in pts], "s--", color=f"C{i}", alpha=0.6, label=f"{st} held")
+            a1.plot(
+                [d for d, _ in pts],
+                [v["held"] / MiB for _, v in pts],
+                "s--",
+                color=f"C{i}",
+                alpha=0.6,
+                label=f"{st} held",
+            )
         for i, (st, e) in enumerate(sw.get("excess", {}).items()):
             for metric, style in (("peak", "o-"), ("held", "s--")):
                 v = e[metric]
-                a2.plot(v["depths"], [b / MiB for b in v["excess_bytes"]], style, color=f"C{i + 2}", label=f"{st} {metric}")
+                a2.plot(
+                    v["depths"], [b / MiB for b in v["excess_bytes"]], style, color=f"C{i + 2}", label=f"{st} {metric}"
+                )
         a2.axhline(0, color="black", lw=0.8)
         for a in (a1, a2):
             a.set_xscale("log", base=2)
@@ -767,7 +826,7 @@ def _profile_rows(stats: pstats.Stats, key: int, n: int, keep: Callable[[str], b
         short = file
         for marker in ("gradient_scope" + os.sep, "site-packages" + os.sep):
             if marker in file:
-                short = file[file.index(marker) + (0 if marker.startswith("gradient") else len(marker)):]
+                short = file[file.index(marker) + (0 if marker.startswith("gradient") else len(marker)) :]
                 break
         out.append(f"| {tt * 1e3:.1f} | {ct * 1e3:.1f} | {nc} | `{short}:{line}({fn})` |")
     return out
@@ -842,28 +901,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
 
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="smaller models, GPT-2/Llama/BERT/ResNet, 2 rounds (~1-2 min on CPU)")
-    p.add_argument("--size", choices=["full", "quick", "tiny"], default=None,
-                   help="model size (default: full, or quick with --quick); tiny is for tests")
+    p.add_argument(
+        "--quick", action="store_true", help="smaller models, GPT-2/Llama/BERT/ResNet, 2 rounds (~1-2 min on CPU)"
+    )
+    p.add_argument(
+        "--size",
+        choices=["full", "quick", "tiny"],
+        default=None,
+        help="model size (default: full, or quick with --quick); tiny is for tests",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
-                   help=f"models to run (default: {' '.join(DEFAULT_MODELS)}; --quick: gpt2 llama bert resnet)")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=None,
+        help=f"models to run (default: {' '.join(DEFAULT_MODELS)}; --quick: gpt2 llama bert resnet)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7, --quick 2)")
     p.add_argument("--train-steps", type=int, default=None, help="training steps compared with plain (default 3)")
     p.add_argument("--depths", type=int, nargs="+", default=None, help="depth sweep layers (default 4 8 16 32)")
     p.add_argument("--no-sweep", action="store_true", help="skip the depth sweep")
-    p.add_argument("--out", default=None,
-                   help="output directory (default benchmarks/results/<device>-models/, with --quick "
-                   "benchmarks/results/<device>-models-quick/)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default benchmarks/results/<device>-models/, with --quick "
+        "benchmarks/results/<device>-models-quick/)",
+    )
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: on a shared machine OpenMP threads spin-wait for "
-                   "each other and a step can take 10x longer; 0 keeps torch's default, one per core)")
-    p.add_argument("--cprofile", metavar="STRATEGY", choices=STRATEGIES, default=None,
-                   help="only cProfile one fwd+bwd step of each --models model under STRATEGY and write "
-                   "cprofile-<model>-<strategy>.md/.prof to the output directory")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared machine OpenMP threads spin-wait for "
+        "each other and a step can take 10x longer; 0 keeps torch's default, one per core)",
+    )
+    p.add_argument(
+        "--cprofile",
+        metavar="STRATEGY",
+        choices=STRATEGIES,
+        default=None,
+        help="only cProfile one fwd+bwd step of each --models model under STRATEGY and write "
+        "cprofile-<model>-<strategy>.md/.prof to the output directory",
+    )
     a = p.parse_args(argv)
 
     if importlib.util.find_spec("transformers") is None:
@@ -899,9 +981,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
 
     machine = machine_info(device, packages=("transformers",))
-    log(f"{machine['cpu_model']}, {machine['cpu_cores']} cores, {torch.get_num_threads()} torch threads, "
+    log(
+        f"{machine['cpu_model']}, {machine['cpu_cores']} cores, {torch.get_num_threads()} torch threads, "
         f"torch {machine['torch']}, transformers {machine['transformers']}; {device} {a.dtype}, size {size}; "
-        f"load average {machine.get('load_average_at_start')}")
+        f"load average {machine.get('load_average_at_start')}"
+    )
     preload(list(dict.fromkeys([*models, "gpt2"])))
     results_models: dict[str, Any] = {}
     sweep = None

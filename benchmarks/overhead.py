@@ -40,7 +40,8 @@ import argparse
 import gc
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

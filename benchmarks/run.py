@@ -14,31 +14,37 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
+from gradient_scope.policies import as_save_policy, save_matmuls
 
 from ._common import (
     KiB,
     MiB,
-    fmt_mib as _mib,
-    fmt_x as _x,
     frozen_gc,
-    interception_gone as _interception_gone,
     interleaved_rounds,
     load_average,
     machine_info,
     ratio_summary,
 )
+from ._common import (
+    fmt_mib as _mib,
+)
+from ._common import (
+    fmt_x as _x,
+)
+from ._common import (
+    interception_gone as _interception_gone,
+)
 from .ideal import BlockAccounting
 from .memory import measure
 from .model import GPT, GPTConfig, make_batch
 from .overhead import format_overhead, run_overhead, sac_context
-
-from gradient_scope.policies import as_save_policy, save_matmuls
 
 SAVE_MM: Any = save_matmuls
 SAVE_MM_NAME = "gradient_scope.policies.save_matmuls"
@@ -355,9 +361,10 @@ def compute_targets(main: dict[str, Any], overhead: dict[str, Any] | None, devic
     diffs = {k: v.get("grad_max_abs_diff") for k, v in s.items() if v.get("grad_max_abs_diff") is not None}
     if diffs:
         worst = max(diffs.values())
+        nonzero = ", ".join(f"{k}: {v:g}" for k, v in diffs.items() if v)
         add(
             "gradients bitwise equal to plain (all strategies)",
-            f"max |grad diff| {worst:g}" + ("" if worst == 0 else f" ({', '.join(f'{k}: {v:g}' for k, v in diffs.items() if v)})"),
+            f"max |grad diff| {worst:g}" + ("" if worst == 0 else f" ({nonzero})"),
             all(v.get("grads_bitwise_equal", True) for v in s.values()),
             "" if device == "cpu" else "bitwise equality is only expected on CPU",
         )
@@ -443,8 +450,13 @@ def write_markdown(results: dict[str, Any], path: str, charts: list[str]) -> Non
         f" at end: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_end', []))}",
         f"- device {results['device']}, dtype {results['dtype']}, mode {'quick' if results['quick'] else 'full'}",
         f"- model: {cfg.describe()}",
-        f"- memory: {'torch.cuda memory stats' if results['device'].startswith('cuda') else 'CPU profiler (profile_memory=True), benchmarks/memory.py'}"
-        "; held = allocated during forward and still allocated after it; peak = highest level during fwd+bwd",
+        "- memory: "
+        + (
+            "torch.cuda memory stats"
+            if results["device"].startswith("cuda")
+            else "CPU profiler (profile_memory=True), benchmarks/memory.py"
+        )
+        + "; held = allocated during forward and still allocated after it; peak = highest level during fwd+bwd",
         f"- step time: fwd+bwd, median of {results['rounds']} interleaved rounds (order rotated each round); "
         "ratios are medians of per-round ratios",
         "",
@@ -501,7 +513,8 @@ def write_markdown(results: dict[str, Any], path: str, charts: list[str]) -> Non
             out += [f"## {title}", "", scaling_markdown(sc), ""]
     if charts:
         out += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
-    warnings = main.get("warnings", []) + [w for sc in results.get("scaling", {}).values() for w in sc.get("warnings", [])]
+    scaling_warnings = [w for sc in results.get("scaling", {}).values() for w in sc.get("warnings", [])]
+    warnings = main.get("warnings", []) + scaling_warnings
     if warnings:
         out += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     with open(path, "w") as f:

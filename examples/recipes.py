@@ -143,7 +143,6 @@ RECIPES = {
 # quickstart's: run this file from the repository root or from examples/.
 from quickstart import check_memory_probe, train  # noqa: E402
 
-
 # ------------------------------------------------------------------------ training
 
 

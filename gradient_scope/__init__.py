@@ -4,6 +4,12 @@ Tensors created inside a :class:`recompute_scope` are not kept for backward;
 they are recomputed from a record of the block's ops when backward needs them.
 """
 
+# First: raises ImportError naming the torch floor before any module below touches
+# torch's private APIs.
+from . import _torch_floor  # noqa: F401
+
+# isort: split
+
 from . import _fsdp  # noqa: F401  (registers the FSDP2 adapter; imports no torch.distributed)
 from ._checkpoint import checkpoint
 from ._errors import RecomputeError
@@ -11,6 +17,7 @@ from ._helpers import apply_recompute, recompute_sequential, remove_recompute
 from ._report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from ._scope import recompute, recompute_scope
 from ._stats import ScopeStats
+from ._version import __version__ as __version__
 from .policies import save_any, save_attention, save_matmuls, save_nothing
 
 __all__ = [
@@ -30,4 +37,3 @@ __all__ = [
     "save_nothing",
     "saved_tensors_report",
 ]
-__version__ = "0.1.0"

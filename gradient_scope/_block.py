@@ -17,7 +17,8 @@ the pack hook read them. In a record:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from ._torch_compat import alias_in_dispatch
 __all__ = ["Var", "Input", "MetaArg", "Frame", "BlockRecord", "OpRecord", "Group", "Ref", "Write"]
 
 Tensor = torch.Tensor
-Write = tuple[int, Union[int, None]]  # (op index, version after; None: not replayable)
+Write = tuple[int, int | None]  # (op index, version after; None: not replayable)
 
 
 class Var:
@@ -91,8 +92,8 @@ class Input:
         return self
 
 
-Group = Union[Var, Input]
-Ref = Union[Var, Input]
+Group = Var | Input
+Ref = Var | Input
 
 
 class MetaArg:
@@ -110,7 +111,7 @@ class MetaArg:
 
 #: ``(func, args, kwargs, rng, outs)``: args hold Refs, MetaArgs and plain values
 #: (lists of them for ``Tensor[]``); ``outs`` one Var or None per output.
-OpRecord = tuple[Any, list[Any], dict[str, Any], Any, tuple[Union[Var, None], ...]]
+OpRecord = tuple[Any, list[Any], dict[str, Any], Any, tuple[Var | None, ...]]
 
 
 class Frame:

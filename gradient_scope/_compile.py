@@ -48,8 +48,8 @@ import itertools
 import operator
 import warnings
 import weakref
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -84,7 +84,7 @@ def _missing_piece() -> str | None:
         return "torch.utils.checkpoint.CheckpointPolicy"
     handler = getattr(torch._dynamo, "callback_handler", None)
     if handler is None or not isinstance(getattr(handler, "end_callbacks", None), list):
-        return "torch._dynamo.callback_handler"
+        return "_callback_handler()"
     if not hasattr(torch.fx.node, "has_side_effect"):
         return "torch.fx.node.has_side_effect"
     return None
@@ -272,7 +272,11 @@ def _open_session() -> None:
     ours = _ChainedPass(_functorch_config.joint_custom_pass)
     _functorch_config.joint_custom_pass = ours
     _session = ours
-    torch._dynamo.callback_handler.register_end_callback(_close_session)
+    _callback_handler().register_end_callback(_close_session)
+
+
+def _callback_handler() -> Any:
+    return getattr(torch._dynamo, "callback_handler")  # noqa: B009  (not re-exported)
 
 
 def _close_session(*args: Any) -> None:
@@ -287,7 +291,7 @@ def _close_session(*args: Any) -> None:
     # Dynamo is iterating over this list right now: dropping its last element ends
     # the iteration as it would have ended; any other change must not touch the list
     # being iterated, so it gets a new list without this callback.
-    handler = torch._dynamo.callback_handler
+    handler = _callback_handler()
     callbacks = handler.end_callbacks
     if callbacks and callbacks[-1] is _close_session and callbacks.count(_close_session) == 1:
         callbacks.pop()
@@ -303,9 +307,7 @@ def _backward_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     it does not, the nodes that depend on a tangent."""
     nodes = list(gm.graph.nodes)
     if any("partitioner_tag" in n.meta for n in nodes):
-        return {
-            n for n in nodes if n.meta.get("partitioner_tag") == "is_backward" or n.meta.get("autograd_backward")
-        }
+        return {n for n in nodes if n.meta.get("partitioner_tag") == "is_backward" or n.meta.get("autograd_backward")}
     seen: set[torch.fx.Node] = set()
     stack = [n for n in nodes if n.op == "placeholder" and "tangents" in n.name]
     while stack:
@@ -383,7 +385,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
             node.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
             and not _is_view(node)
             and isinstance(node.meta.get("val"), torch.Tensor)
-            and any(u in backward or u.target in _ALIASES and any(v in backward for v in u.users) for u in node.users)
+            and any(u in backward or (u.target in _ALIASES and any(v in backward for v in u.users)) for u in node.users)
         ):
             stats.tensors_packed += 1
             stats.bytes_packed += _nbytes(node.meta["val"])

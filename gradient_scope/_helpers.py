@@ -16,7 +16,8 @@ import operator
 import types
 import warnings
 import weakref
-from typing import Any, Callable, TypeVar, Union
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.nn as nn
 
@@ -57,7 +58,8 @@ def _class_forward(module: nn.Module) -> Callable[..., Any]:
         attr = klass.__dict__.get("forward")
         if attr is not None:
             get = getattr(type(attr), "__get__", None)
-            return get(attr, module, cls) if get is not None else attr
+            bound: Callable[..., Any] = get(attr, module, cls) if get is not None else attr
+            return bound
     raise AttributeError(f"{cls.__name__} has no forward")  # pragma: no cover (nn.Module has one)
 
 
@@ -122,7 +124,7 @@ def _every_module(module: nn.Module) -> bool:
     return True
 
 
-ModuleSelector = Union[Callable[[nn.Module], bool], type, tuple[type, ...], types.UnionType]
+ModuleSelector = Callable[[nn.Module], bool] | type | tuple[type, ...] | types.UnionType
 
 
 def _selector(check_fn: Any) -> Callable[[nn.Module], bool]:

@@ -36,19 +36,20 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import _pack, _record, _registry
 from ._torch_compat import (
     HookPair,
+    current_graph_task,
     pop_attribute_owner,
     pop_saved_hooks,
     push_saved_hooks,
     saved_hooks_disabled_message,
     saved_hooks_enabled,
-    current_graph_task,
     top_saved_hooks,
 )
 

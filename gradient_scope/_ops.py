@@ -64,12 +64,15 @@ def _alias_sets(func: Any) -> tuple[AliasSets, AliasSets]:
             [(frozenset(a.alias_set), a.is_write) for a in info.args],
             [(frozenset(a.alias_set), a.is_write) for a in info.outs],
         )
-    except Exception:  # a schema torchgen cannot parse: read the TorchScript one
+    except Exception:  # noqa: BLE001  (a schema torchgen cannot parse: read the TorchScript one)
         schema = func._schema
 
         def sets(items: Any) -> AliasSets:
             return [
-                (frozenset(x.alias_info.before_set) if x.alias_info else frozenset(), bool(x.alias_info and x.alias_info.is_write))
+                (
+                    frozenset(x.alias_info.before_set) if x.alias_info else frozenset(),
+                    bool(x.alias_info and x.alias_info.is_write),
+                )
                 for x in items
             ]
 

@@ -18,7 +18,8 @@ S3. Packing never reads the data of the tensor it packs: some kernels save an
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from ._registry import lookup
 from ._replay import ViewSpec, inplace_error
 from ._torch_compat import HookPair, without_python_dispatch
 
-__all__ = ["pack", "unpack", "add_pack_listener"]
+__all__ = ["pack", "unpack", "add_pack_listener", "Stored", "Foreign"]
 
 Tensor = torch.Tensor
 
@@ -46,7 +47,7 @@ def add_pack_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
     return remove
 
 
-class _Stored:
+class Stored:
     """A tensor kept as autograd would keep it, with its version (S2)."""
 
     __slots__ = ("t", "version")
@@ -69,7 +70,7 @@ class _Stored:
         return t
 
 
-class _Foreign:
+class Foreign:
     """What the pair below ours made of a tensor."""
 
     __slots__ = ("unpack_fn", "packed")
@@ -103,8 +104,8 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
                 fn(t, h)
             return h
     if below is not None:
-        return _Foreign(below[1], below[0](t))
-    return _Stored(t)
+        return Foreign(below[1], below[0](t))
+    return Stored(t)
 
 
 def unpack(packed: Any) -> Tensor:

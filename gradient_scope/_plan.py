@@ -9,8 +9,8 @@ op of the plan reads it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any, Callable, Union
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from ._torch_compat import without_autocast
 
 __all__ = ["Ref", "Instr", "op_refs", "compile_op", "closure", "run_plan"]
 
-Ref = Union[Var, Input]
+Ref = Var | Input
 
 Tensor = torch.Tensor
 
@@ -137,7 +137,9 @@ def _value(a: Any, env: dict[int, Any]) -> Any:
     return a
 
 
-def closure(refs: Sequence[tuple[Ref, ...]], var: Var, bound: int, available: Callable[[Var], bool] | None) -> list[int]:
+def closure(
+    refs: Sequence[tuple[Ref, ...]], var: Var, bound: int, available: Callable[[Var], bool] | None
+) -> list[int]:
     """The ops needed to rebuild ``var`` as it is before op ``bound``, sorted.
 
     ``refs[i]`` is ``op_refs`` of op ``i``. A Var for which ``available`` is true
@@ -261,8 +263,7 @@ def _load(r: Ref, func: Any, cache: dict[tuple[Var, int], Tensor], freed: Callab
         t = e() if e is not None and e.var is r else None
         if t is None or t.is_inference() or t._version != r.version:
             raise RecomputeError(
-                f"gradient_scope: internal error: no value for a {r.describe()} needed by "
-                f"{func}. Please report this."
+                f"gradient_scope: internal error: no value for a {r.describe()} needed by {func}. Please report this."
             )
         v = t.detach()
     return v

@@ -10,7 +10,8 @@ block is closed. The rules a recording keeps (R1..R6) are in ``_recording``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,7 +30,16 @@ from ._torch_compat import (
     skip_dynamo,
 )
 
-__all__ = ["Recorder", "add_close_listener", "open_block", "innermost", "close_block", "settle", "has_open_block", "paused"]
+__all__ = [
+    "Recorder",
+    "add_close_listener",
+    "open_block",
+    "innermost",
+    "close_block",
+    "settle",
+    "has_open_block",
+    "paused",
+]
 
 Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
@@ -99,7 +109,8 @@ def _install_dispatch() -> None:
     if skip_dynamo(_record_op.__code__):
         Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
     else:  # a torch without per-code strategies: the wrapped form
-        Recorder.__torch_dispatch__ = torch._disable_dynamo(_record_op, recursive=True)  # type: ignore[method-assign,arg-type]
+        disable = getattr(torch, "_disable_dynamo")  # noqa: B009  (not re-exported: getattr)
+        Recorder.__torch_dispatch__ = disable(_record_op, recursive=True)  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------- per thread

@@ -186,7 +186,13 @@ class Recording:
                 self._add_write(root, len(self.record_.ops), None)
             return out
         rargs = self.refs(args)
-        if f.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided and not is_wrapper(args[0]):
+        if (
+            f.meta_only
+            and args
+            and isinstance(args[0], Tensor)
+            and args[0].layout == torch.strided
+            and not is_wrapper(args[0])
+        ):
             rargs[0] = MetaArg(args[0])
         rkwargs = NO_KWARGS
         if kwargs:
@@ -237,7 +243,7 @@ class Recording:
     def _add_write(root: Group, index: int, version: int | None) -> None:
         if not root.writes:
             root.writes = []
-        root.writes.append((index, version))  # type: ignore[union-attr]
+        root.writes.append((index, version))
 
     def _out(
         self,

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Collection
-from typing import Any, Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 
@@ -174,7 +174,7 @@ def _live(var: Var) -> Tensor | None:
     which has no version counter, is recomputed instead)."""
     e = _LIVE.get(var.key)
     if e is not None and e.var is var:
-        t = e()
+        t: Tensor | None = e()
         if t is not None and not t.is_inference() and t._version == var.version:
             return t
     return None
@@ -266,7 +266,9 @@ class ReplayState:
                 raise inplace_error(var.describe(), h.version, post)
         record = self.record
         if record is None:  # P7: a live handle keeps its record
-            raise RecomputeError("gradient_scope: internal error: a block record was released early. Please report this.")
+            raise RecomputeError(
+                "gradient_scope: internal error: a block record was released early. Please report this."
+            )
         with self.lock:
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None

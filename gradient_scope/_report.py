@@ -36,7 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
-from ._pack import add_pack_listener
+from ._pack import Foreign, Stored, add_pack_listener, unpack
 from ._torch_compat import (
     innermost_function_mode,
     remove_function_mode_from_under,
@@ -143,45 +143,6 @@ class _OpTracker(TorchFunctionMode):
             self.current = outer
 
 
-class _Passed:
-    """Our packed object when a hook pair was below ours: its packed object."""
-
-    __slots__ = ("packed", "unpack_fn")
-
-    def __init__(self, unpack_fn: Callable[[Any], torch.Tensor], packed: Any) -> None:
-        self.unpack_fn = unpack_fn
-        self.packed = packed
-
-
-class _Detached:
-    """Our packed object with no pair below: the tensor, detached (returning the
-    tensor itself would leak through a reference cycle when an op saves its own
-    output), and its version for the in-place check."""
-
-    __slots__ = ("t", "version")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        if type(t) is torch.Tensor or type(t) is nn.Parameter:
-            with _no_python_dispatch():  # no dispatch mode may see (or record) this
-                self.t = t.detach()
-        else:
-            self.t = t.detach()  # a subclass must see its own detach
-        self.version = t._version
-
-
-def _unpack(packed: Any) -> torch.Tensor:
-    if type(packed) is _Passed:
-        return packed.unpack_fn(packed.packed)
-    t = packed.t
-    if t._version != packed.version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-            f"expected version {packed.version} instead. (Checked by "
-            "gradient_scope.saved_tensors_report, which stands in for PyTorch's own check "
-            "while its saved-tensor hooks are active.)"
-        )
-    return t
 
 
 _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
@@ -300,8 +261,7 @@ class SavedTensorsReport:
         shown = rows if top is None else rows[:top]
         header = ("module", "op", "count", "stored", "recomputable")
         lines = [
-            (r.module, r.op, str(r.count), _fmt_bytes(r.stored_bytes), _fmt_bytes(r.recomputable_bytes))
-            for r in shown
+            (r.module, r.op, str(r.count), _fmt_bytes(r.stored_bytes), _fmt_bytes(r.recomputable_bytes)) for r in shown
         ]
         if len(shown) < len(rows):
             rest = rows[len(shown) :]
@@ -369,11 +329,11 @@ class SavedTensorsReport:
     def _pack(self, t: torch.Tensor) -> Any:
         below = self._below
         if below is None:
-            packed: Any = _Detached(t)
+            packed: Any = Stored(t)
             recomputable = False
         else:
             self._handled = 0
-            packed = _Passed(below[1], below[0](t))
+            packed = Foreign(below[1], below[0](t))
             recomputable = self._handled == id(t)  # the listener has recorded it
             self._handled = 0
         if not recomputable and self._state == "open" and threading.get_ident() == self._thread:
@@ -432,7 +392,7 @@ class SavedTensorsReport:
             )
         self._thread = threading.get_ident()
         below = top_saved_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         hooks.__enter__()  # raises (nothing changed) where saved-tensor hooks are disabled
         self._below = below
         self._hooks = hooks
@@ -470,7 +430,7 @@ class SavedTensorsReport:
         for undo in reversed(self._cleanup):
             try:
                 undo()
-            except BaseException as e:  # undo the rest anyway
+            except BaseException as e:  # noqa: BLE001  (undo the rest anyway; re-raised below)
                 error = error or e
         self._cleanup.clear()
         self._modules.clear()

@@ -35,9 +35,7 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
     return None
 
 
-def capture(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[torch.Generator, torch.Tensor] | None:
+def capture(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Generator, torch.Tensor] | None:
     """Return (generator, state) for the generator a seeded op is about to use."""
     gen = kwargs.get("generator")
     if gen is None:
@@ -47,9 +45,7 @@ def capture(
     return gen, gen.get_state()
 
 
-def replay_with_state(
-    rng: tuple[torch.Generator, torch.Tensor], func: Any, args: Any, kwargs: dict[str, Any]
-) -> Any:
+def replay_with_state(rng: tuple[torch.Generator, torch.Tensor], func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """Run ``func(*args, **kwargs)`` with the generator set to the captured state,
     then restore the generator's ambient state."""
     gen, state = rng

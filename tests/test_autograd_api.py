@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
-from conftest import grads, stat
+
 from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
+from conftest import grads, stat
 
 
 def leaves(*shapes, dtype=torch.float32):

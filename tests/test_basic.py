@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import RecomputeError, recompute, recompute_scope
+
 from conftest import MLP, Transformer, dead, grads, run_both, stat
 
 

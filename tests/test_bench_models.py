@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytest.importorskip("transformers")
 
-from benchmarks import models as bm  # noqa: E402
+from benchmarks import models as bm
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.overhead import format_overhead, run_overhead  # noqa: E402
+from benchmarks.overhead import format_overhead, run_overhead
 
 
 def test_replay_is_measured():

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_interception_gone
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -24,6 +23,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts, noop_co
 
 import gradient_scope
 from gradient_scope import checkpoint, recompute_scope
+
+from conftest import assert_interception_gone
 
 
 class Block(nn.Module):
@@ -217,7 +218,9 @@ def test_function_raising_leaves_no_trace():
     assert_interception_gone()
 
 
-@pytest.mark.parametrize("impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["no_reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["no_reentrant", "reentrant"]
+)
 def test_checkpoint_wrapper(impl):
     plain = train_step()
 
@@ -241,7 +244,9 @@ def test_apply_activation_checkpointing():
 
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_fn=counting_checkpoint)
     scoped = train_step(
-        lambda net: apply_activation_checkpointing(net, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block))
+        lambda net: apply_activation_checkpointing(
+            net, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block)
+        )
     )
     assert_same_step(scoped, plain)
     assert len(used) == 3  # one call per block

@@ -25,8 +25,8 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from conftest import grads, stat
 from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
+from conftest import grads, stat
 
 REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="nonreentrant")]
 EARLY_STOP = [pytest.param(True, id="early_stop"), pytest.param(False, id="no_early_stop")]

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
-from conftest import grads
+
 from _interop import clean_stacks, repair_hook_stack  # noqa: F401
+from conftest import grads
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
@@ -131,7 +132,7 @@ def test_compiled_module_training_with_scopes(backend, clean_stacks):
             loss.backward()
             opt.step()
             losses.append(loss.detach())
-        out = {f"loss{i}": l for i, l in enumerate(losses)}
+        out = {f"loss{i}": v for i, v in enumerate(losses)}
         out.update({n: p.detach().clone() for n, p in net.named_parameters()})
         return out
 

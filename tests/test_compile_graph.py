@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import gradient_scope._compile as gs_compile
 from gradient_scope import apply_recompute, recompute, recompute_scope, save_matmuls
-from torch._dynamo.utils import counters
 
 BACKENDS = ["aot_eager", "inductor"]
 
@@ -213,8 +213,8 @@ def test_inductor_scoped_graph_and_the_aot_cache():
     process. The scoped graph must neither load nor store an AOTAutograd artifact (the
     annotation is not part of the cache key in torch 2.13), and keeps only its inputs."""
     inputs = make_inputs((24, 24), (24, 24), (24, 24), seed=3)
-    hits = lambda: counters["aot_autograd"]["autograd_cache_hit"]  # noqa: E731
-    bypasses = lambda: counters["aot_autograd"]["autograd_cache_bypass"]  # noqa: E731
+    hits = lambda: counters["aot_autograd"]["autograd_cache_hit"]
+    bypasses = lambda: counters["aot_autograd"]["autograd_cache_bypass"]
     from torch._functorch._aot_autograd.autograd_cache import should_use_local_autograd_cache
 
     if not (should_use_local_autograd_cache() and torch._inductor.config.fx_graph_cache):

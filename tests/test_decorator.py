@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import recompute, recompute_scope
+
 from conftest import (
     assert_interception_gone,
     dispatch_depth,

@@ -28,8 +28,8 @@ import pytest
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-from conftest import stat
 from _interop import clean_stacks, repair_hook_stack  # noqa: F401
+from conftest import stat
 
 B_SHAPES = {(2, 3), (2, 5)}  # shapes of block-created tensors
 

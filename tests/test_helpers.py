@@ -24,6 +24,7 @@ from gradient_scope import (
     remove_recompute,
     save_matmuls,
 )
+
 from conftest import assert_interception_gone, global_state
 
 aten = torch.ops.aten
@@ -515,7 +516,7 @@ def test_pickle_and_deepcopy(options, how):
     model = GPT()
     apply_recompute(model, check_fn=is_block, **options)
     clone = pickle.loads(pickle.dumps(model)) if how == "pickle" else copy.deepcopy(model)
-    for b, c in zip(model.blocks, clone.blocks):
+    for c in clone.blocks:
         fwd = vars(c)["forward"]
         assert fwd.module is c, "the copy's forward must run the copy"
         assert fwd.original is None
@@ -580,7 +581,9 @@ def test_apply_recompute_validation():
 def make_seq(n=6, p=0.1):
     layers = []
     for _ in range(n):
-        layers.append(nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(p), nn.Linear(2 * D, D)))
+        layers.append(
+            nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(p), nn.Linear(2 * D, D))
+        )
     return nn.Sequential(*layers)
 
 

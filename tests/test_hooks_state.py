@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
+
 from conftest import (
     RecordingHooks,
-    baseline_hooks,
     assert_interception_gone,
+    baseline_hooks,
     dead,
     dispatch_depth,
     global_state,
@@ -122,7 +123,7 @@ def test_exception_inside_block_leaves_state_clean(kind):
     torch.manual_seed(123)
     try:
         _raise_inside(kind)
-    except Exception as e:  # `e` (and the frames it holds) is gone after this block
+    except Exception as e:  # noqa: BLE001 - `e` (and the frames it holds) is gone after this block
         caught = (type(e), str(e))
     else:
         caught = None
@@ -200,7 +201,7 @@ WINDOWS = [(0, 3), (0, 4), (0, 5), (0, 6), (1, 2), (3, 4), (3, 5), (3, 6), (4, 5
 def _expected_shapes(enter, exit_, scoped):
     """What a hook open over [enter, exit_) receives, per API.md section 4."""
     got = set()
-    open_at = lambda p: enter <= p < exit_  # noqa: E731
+    open_at = lambda p: enter <= p < exit_
     if open_at(0):  # mm inside the block: outside tensors are handed on
         got |= {A, B}
     if open_at(1) and (enter == 1 or not scoped):  # exp in the block saves a block tensor
@@ -369,7 +370,7 @@ def _thread_program(drop_in_worker):
                 y.backward()
                 box.clear()  # with drop_in_worker, the last block tensor dies here
                 thread_state["top"] = top_hooks()
-            except BaseException as e:  # pragma: no cover - reported below
+            except BaseException as e:  # noqa: BLE001  # pragma: no cover - reported below
                 errors.append(e)
 
         t = threading.Thread(target=work)
@@ -430,7 +431,7 @@ def test_forward_in_another_thread_backward_here():
             result["top"] = top_hooks()  # x still alive here
             del x
             result["top_after_del"] = top_hooks()
-        except BaseException as e:  # pragma: no cover
+        except BaseException as e:  # noqa: BLE001  # pragma: no cover
             result["error"] = e
 
     t = threading.Thread(target=forward)
@@ -462,7 +463,7 @@ def test_two_threads_with_own_scopes():
                 y.backward()
                 del y
             out[i] = (a.grad.clone(), top_hooks())
-        except BaseException as e:  # pragma: no cover
+        except BaseException as e:  # noqa: BLE001  # pragma: no cover
             out[i] = e
 
     ts = [threading.Thread(target=worker, args=(i,)) for i in range(2)]

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import RecomputeError, recompute_scope
+
 from conftest import assert_interception_gone, dead, grads, run_both, stat
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gradient_scope import recompute_scope
+
 from conftest import (
     Transformer,
     assert_interception_gone,

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import RecomputeError, recompute, recompute_scope
-from conftest import PlainScopes, Scopes, dispatch_depth, top_hooks
+
 from _interop import clean_stacks, expect_clean_failure, repair_hook_stack  # noqa: F401
+from conftest import PlainScopes, Scopes, dispatch_depth, top_hooks
 
 # ----------------------------------------------------------------------------------------
 # custom ops with Python state (no autograd formula: used on tensors that do not require

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gradient_scope
 from gradient_scope import recompute_scope
 from gradient_scope.policies import save_any, save_attention, save_matmuls, save_nothing
+
 from conftest import grads, run_both, stat
 
 aten = torch.ops.aten

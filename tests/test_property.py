@@ -19,15 +19,15 @@ import os
 import weakref
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from gradient_scope import recompute_scope
-from conftest import dispatch_depth, top_hooks
+
 from _interop import repair_hook_stack  # noqa: F401
+from conftest import dispatch_depth, top_hooks
 
 N_EXAMPLES = int(os.environ.get("GS_HYPOTHESIS_EXAMPLES", "60"))
 

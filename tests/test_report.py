@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import RecordingHooks, assert_interception_gone, top_hooks
 from torch.autograd.graph import save_on_cpu
 from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
@@ -26,8 +25,10 @@ from torch.utils.checkpoint import checkpoint
 import gradient_scope
 from gradient_scope import SavedTensorsReport, SavedTensorsRow, _pack, recompute_scope, saved_tensors_report
 
+from conftest import RecordingHooks, assert_interception_gone, top_hooks
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.memory import profile_cpu_memory  # noqa: E402
+from benchmarks.memory import profile_cpu_memory
 
 KiB = 1024
 
@@ -236,10 +237,8 @@ def test_module_forward_raising_keeps_the_stack_right():
             self.boom, self.fc = Boom(), nn.Linear(4, 4)
 
         def forward(self, x):
-            try:
+            with contextlib.suppress(ValueError):
                 self.boom(x)
-            except ValueError:
-                pass
             return self.fc(x).sin()
 
     x = torch.randn(2, 4, requires_grad=True)

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
+
 from conftest import DEVICES, assert_interception_gone, dead, grads, run_both, stat
 
 

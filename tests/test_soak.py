@@ -11,8 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import recompute, recompute_scope
-from conftest import dispatch_depth, top_hooks
+
 from _interop import clean_stacks, repair_hook_stack  # noqa: F401
+from conftest import dispatch_depth, top_hooks
 
 STEPS = 500
 SAMPLES = (100, 200, 300, 400, 500)

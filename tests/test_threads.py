@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
-from conftest import PlainScopes, Scopes, grads, run_both, top_hooks
+
 from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
+from conftest import PlainScopes, Scopes, grads, top_hooks
 
 TIMEOUT = 60
 
@@ -112,7 +113,7 @@ def test_many_backwards_in_threads_with_retain_graph(clean_stacks):
         y = (h.exp() * b).sum()
         del h
         outs = []
-        for i in range(3):
+        for _ in range(3):
             in_thread(lambda: y.backward(retain_graph=True))
             outs.append(a.grad.clone())
         return dict(outs=outs, **grads(dict(a=a, b=b)))
