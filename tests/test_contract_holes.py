@@ -605,6 +605,28 @@ def test_block_tensor_written_after_block_before_save(route, debug):
     check(program, debug=debug)
 
 
+@pytest.mark.parametrize(("route", "debug"), _cases(NO_SET, {"data_assign"}))
+def test_live_block_tensor_written_then_read_by_a_replay(route, debug):
+    """A live block tensor written without a version bump, while a later block tensor
+    computed from it is recomputed in backward: that replay must not read the written
+    values (plain saved the later tensor's forward value).  Visible without debug only
+    for a .data assignment (the storage changed); debug=True catches every route."""
+
+    def program(scope):
+        a = leaf(4, 4)
+        c = leaf(4, 4)
+        with scope():
+            h = a.sin() + 0.5
+            g = h * 2
+        y = g * c  # saves g: recomputed from h in backward
+        del g
+        ROUTES[route](h)  # h stays alive
+        weighted_sum(y).backward()
+        return [a.grad, c.grad, h.detach().clone()]
+
+    check(program, debug=debug)
+
+
 def test_outside_tensor_set_inside_block_after_read():
     """set_ (a write to the tensor's storage pointer) inside the block, after the block
     read the tensor: replay must read what forward read."""
@@ -632,6 +654,63 @@ def test_readme_documents_undetectable_writes():
     limitations = readme.split("## Limitations", 1)[1].split("\n## ", 1)[0]
     for needle in (".data", "numpy", "untyped_storage", "debug=True"):
         assert needle in limitations, f"README Limitations does not mention {needle!r}"
+
+
+# ======================================================================================
+# 3b. outputs that alias an input without saying so in their schema
+
+UNSAFE_SPLITS = {
+    "unsafe_split": lambda x: x.unsafe_split(2, 1),
+    "unsafe_chunk": lambda x: x.unsafe_chunk(2, 1),
+    "unsafe_split_with_sizes": lambda x: x.unsafe_split_with_sizes([1, 3], 1),
+}
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+@pytest.mark.parametrize("split", list(UNSAFE_SPLITS))
+def test_unsafe_split_pieces_alias_their_input(split, where):
+    """unsafe_split / unsafe_chunk pieces share the input's storage (but not its version
+    counter) although the schema declares no alias: an in-place write to a piece -- in
+    the block or after it -- changes the input, which is then saved."""
+
+    def program(scope):
+        a = leaf(4, 4)
+        c = leaf(4, 4)
+        with scope():
+            x = a * 2
+            pieces = UNSAFE_SPLITS[split](x)
+            if where == "inside":
+                pieces[0].add_(1.0)
+        if where == "after":
+            pieces[0].add_(1.0)
+        y = x * c
+        del x, pieces
+        weighted_sum(y).backward()
+        return [a.grad, c.grad]
+
+    check(program)
+
+
+@pytest.mark.parametrize("save", ["addmm", "all_matmuls"])
+@pytest.mark.parametrize("module", ["gru", "gru_cell"])
+def test_gru_with_saved_matmuls(module, save):
+    """GRU / GRUCell on CPU: gates = addmm(...).unsafe_chunk(3), then add_ / sigmoid_ in
+    place on the pieces.  With addmm's output stored (save=), those writes land in the
+    stored tensor."""
+    ops = [torch.ops.aten.addmm] if save == "addmm" else [torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm]
+
+    def program(scope):
+        m = nn.GRU(4, 5) if module == "gru" else nn.GRUCell(4, 5)
+        x = leaf(3, 2, 4) if module == "gru" else leaf(2, 4)
+        with scope(save=ops):
+            out = m(x * 0.5)
+            o = out[0] if isinstance(out, tuple) else out
+        y = o.tanh() * o
+        del out, o
+        weighted_sum(y).backward()
+        return [x.grad] + [p.grad for p in m.parameters()]
+
+    check(program, must_work=True)
 
 
 # ======================================================================================
@@ -1280,3 +1359,50 @@ def test_block_tensor_kept_by_user_is_not_recomputed():
 
     scopes = check(program, must_work=True)
     assert stat(scopes.created[0], "ops_replayed") == 0
+
+
+# ======================================================================================
+# 7. the profiler
+
+
+def test_profiler_python_function_names_decode_with_scopes():
+    """torch.profiler(with_stack=True, profile_memory=True, record_shapes=True) around
+    scoped training steps (nested scopes, debug, block tensors dying -- weakref callbacks --
+    inside the profiled region, retain_graph): every event name decodes.
+
+    PyTorch's python tracer keeps pointers to the names of the code objects it saw and
+    reads them when the profile is post-processed; a code object freed in between (module
+    code run by an import, code made by exec/compile) leaves a dangling name, hence the
+    UnicodeDecodeError seen in some runs (pytorch/pytorch#64345, #121219).  The library
+    makes and frees no code objects, so once one-time imports are done (the warm-up below
+    runs them outside the profiled region), scoped steps must profile cleanly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16))
+
+    def step(i: int) -> None:
+        x = torch.randn(8, 16)
+        with recompute_scope(debug=bool(i % 2)):
+            h = model[2](model[1](model[0](x)))
+            with recompute_scope():
+                g = h.exp()
+        loss = model[3](h * g).pow(2).mean()
+        del h, g
+        loss.backward(retain_graph=True)
+        loss.backward()
+        with torch.no_grad():  # (torch.optim's first step imports torch._dynamo: seconds)
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+        junk = [bytes([0xC3]) * n for n in range(8, 80)]  # reuse freed memory
+        del junk
+
+    step(0)
+    with torch.profiler.profile(with_stack=True):
+        step(1)  # the profiler's own lazy imports
+    with torch.profiler.profile(with_stack=True, profile_memory=True, record_shapes=True) as prof:
+        for i in range(3):
+            step(i)
+    names = [e.name for e in prof.events()]  # raises UnicodeDecodeError on a dangling name
+    python_events = [n for n in names if ".py(" in n]
+    assert any("gradient_scope" in n for n in python_events), "the library's frames were not profiled"
+    assert all(n.isprintable() for n in names)
