@@ -34,7 +34,7 @@ state after backward.  After each run no saved-tensor hooks, dispatch modes or p
 functions are left.  A program whose plain run raises (e.g. PyTorch's own in-place
 check) is rejected, not compared.
 
-Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 40; derandomized
+Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 120; derandomized
 (the same examples every run) unless GS_DIFF_RANDOM=1; no shrinking unless
 GS_DIFF_SHRINK=1.  Long run, e.g.
 ``GS_DIFF_EXAMPLES=2000 GS_DIFF_RANDOM=1 python -m pytest -q tests/test_differential.py``.
@@ -58,7 +58,7 @@ from hypothesis import strategies as st
 from gradient_scope import RecomputeError, recompute_scope
 from conftest import dispatch_depth, top_hooks
 
-N_EXAMPLES = int(os.environ.get("GS_DIFF_EXAMPLES", os.environ.get("GS_HYPOTHESIS_EXAMPLES", "40")))
+N_EXAMPLES = int(os.environ.get("GS_DIFF_EXAMPLES", os.environ.get("GS_HYPOTHESIS_EXAMPLES", "120")))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
 
 SHRINK = os.environ.get("GS_DIFF_SHRINK", "") not in ("", "0")
@@ -712,16 +712,16 @@ OPTIONS = ["plain", "plain", "plain", "save_mm", "save_fn", "debug", "disabled",
 idx_st = st.one_of(st.just(NEWEST), st.integers(0, NEWEST - 1))  # often the newest tensor
 op_st = st.tuples(st.sampled_from(OP_NAMES), idx_st, idx_st, st.integers(0, 99))
 scope_st = st.recursive(
-    st.tuples(st.just("scope"), st.sampled_from(OPTIONS), st.lists(op_st, min_size=1, max_size=5)),
+    st.tuples(st.just("scope"), st.sampled_from(OPTIONS), st.lists(op_st, min_size=1, max_size=7)),
     lambda inner: st.tuples(
-        st.just("scope"), st.sampled_from(OPTIONS), st.lists(st.one_of(op_st, inner), min_size=1, max_size=5)
+        st.just("scope"), st.sampled_from(OPTIONS), st.lists(st.one_of(op_st, inner), min_size=1, max_size=6)
     ),
-    max_leaves=4,
+    max_leaves=6,
 )
 # a program: a few ops, then blocks (nested or not), each followed by ops that use (and
 # save) what the block made
-segment_st = st.tuples(scope_st, st.lists(op_st, min_size=0, max_size=4))
-items_st = st.tuples(st.lists(op_st, max_size=3), st.lists(segment_st, min_size=1, max_size=3)).map(
+segment_st = st.tuples(scope_st, st.lists(op_st, min_size=0, max_size=6))
+items_st = st.tuples(st.lists(op_st, max_size=3), st.lists(segment_st, min_size=1, max_size=4)).map(
     lambda t: [*t[0], *[x for scope, after in t[1] for x in (scope, *after)]]
 )
 write_st = st.tuples(
@@ -771,7 +771,7 @@ def _stacks_restored():
 @DIFF_SETTINGS
 @given(program=program_st)
 def test_random_programs_equal_plain_or_recompute_error(program):
-    if _count(program["items"], "ops") > 32:
+    if _count(program["items"], "ops") > 48:
         reject()
     outcome = check_program(program, generated=True)
     event(f"outcome: {outcome}")
