@@ -359,8 +359,12 @@ REAL_VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 # (view taken, saved by a later op): the view op inside or after the block, and the
-# tensor saved by an op inside the block or after it (or read by a later scope).
-WHERE = [("inside", "inside"), ("inside", "after"), ("after", "after"), ("later_scope", "after")]
+# tensor saved by an op inside the block or after it (or read by a later scope);
+# "inside_then_t": the view inside the block, then a plain shape view of it (a
+# transpose) after the block -- a view of a block tensor whose dtype / conj / neg bits
+# differ from its base's.
+WHERE = [("inside", "inside"), ("inside", "after"), ("after", "after"), ("later_scope", "after"),
+         ("inside_then_t", "after")]
 
 
 def _view_program(make_base, view, where_view, where_save):
@@ -369,10 +373,12 @@ def _view_program(make_base, view, where_view, where_save):
         w = leaf(4, 4)
         with scope():
             h = make_base(a * w)
-            if where_view == "inside":
+            if where_view in ("inside", "inside_then_t"):
                 v = view(h)
                 if where_save == "inside":
                     y = v * v
+        if where_view == "inside_then_t":
+            v = v.movedim(0, -1)
         if where_view == "after":
             v = view(h)
         if where_view == "later_scope":
@@ -409,10 +415,12 @@ def test_dtype_view_of_block_tensor_saved(where):
         src = torch.randint(0, 1000, (4, 4))
         with scope():
             idx = src * 3 + 1
-            if where[0] == "inside":
+            if where[0] in ("inside", "inside_then_t"):
                 f = idx.view(torch.float64)
                 if where[1] == "inside":
                     y = w * f
+        if where[0] == "inside_then_t":
+            f = f.t()
         if where[0] == "after":
             f = idx.view(torch.float64)
         if where[0] == "later_scope":

@@ -271,6 +271,7 @@ COMPLEX = {
     "conj_t": _c(lambda z, k: z.conj().t()),
     "conj_slice_cat": _c(lambda z, k: torch.cat([z.conj()[2:], z[:2]])),
     "neg_view_of_conj": _c(lambda z, k: torch._neg_view(z.conj())),
+    "cmovedim": _c(lambda z, k: z.movedim(0, 1)),
     "conj_physical": _c(lambda z, k: z.conj_physical()),
     "resolve_conj": _c(lambda z, k: z.conj().resolve_conj()),
     "cmul": _c(lambda z, w, k: z * w, 2),
@@ -842,6 +843,21 @@ def test_views_taken_after_the_block(family):
     """A view (or dtype change, or multi-output op) of a block tensor taken after the
     block, then saved."""
     _check_all({name: _family_program(name, view_after=True) for name in FAMILIES[family]})
+
+
+@pytest.mark.parametrize("family", ["views", "complex"])
+def test_views_in_block_then_shape_view_after(family):
+    """A view made in the block (possibly with conj / neg / dtype bits), then a plain
+    shape view of it after the block, saved."""
+    programs = {}
+    for name in FAMILIES[family]:
+        op = (name, NEWEST, NEWEST, 2)
+        body = [("scale", NEWEST, 0, 0), ("times_j", NEWEST, 0, 0), op]
+        for after in ("movedim", "cmovedim"):
+            programs[f"{name}+{after}"] = _fixed(
+                [("sin", 0, 0, 0), ("scope", "plain", body), (after, NEWEST, 0, 0), ("save_last", 0, 0, 0)]
+            )
+    _check_all(programs)
 
 
 @pytest.mark.parametrize("route", list(WRITES))
