@@ -34,7 +34,7 @@ state after backward.  After each run no saved-tensor hooks, dispatch modes or p
 functions are left.  A program whose plain run raises (e.g. PyTorch's own in-place
 check) is rejected, not compared.
 
-Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 120; derandomized
+Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 200; derandomized
 (the same examples every run) unless GS_DIFF_RANDOM=1; no shrinking unless
 GS_DIFF_SHRINK=1.  Long run, e.g.
 ``GS_DIFF_EXAMPLES=2000 GS_DIFF_RANDOM=1 python -m pytest -q tests/test_differential.py``.
@@ -47,7 +47,6 @@ import gc
 import os
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -58,7 +57,7 @@ from hypothesis import strategies as st
 from gradient_scope import RecomputeError, recompute_scope
 from conftest import dispatch_depth, top_hooks
 
-N_EXAMPLES = int(os.environ.get("GS_DIFF_EXAMPLES", os.environ.get("GS_HYPOTHESIS_EXAMPLES", "120")))
+N_EXAMPLES = int(os.environ.get("GS_DIFF_EXAMPLES", os.environ.get("GS_HYPOTHESIS_EXAMPLES", "200")))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
 
 SHRINK = os.environ.get("GS_DIFF_SHRINK", "") not in ("", "0")
