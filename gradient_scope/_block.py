@@ -25,7 +25,7 @@ import torch
 from ._stats import ScopeStats
 from ._torch_compat import alias_in_dispatch
 
-__all__ = ["Var", "Input", "MetaArg", "Frame", "BlockRecord", "OpRecord", "Group", "Ref", "Write"]
+__all__ = ["Var", "Input", "MetaArg", "Frame", "BlockRecord", "OpRecord", "Group", "Ref", "Write", "data_ptr", "moved"]
 
 Tensor = torch.Tensor
 Write = tuple[int, int | None]  # (op index, version after; None: not replayable)
@@ -34,10 +34,12 @@ Write = tuple[int, int | None]  # (op index, version after; None: not replayable
 class Var:
     """A tensor the block made: where it came from and what it looked like."""
 
-    __slots__ = ("key", "op", "size", "dtype", "device", "version", "base", "writes", "frame")
+    __slots__ = ("key", "op", "size", "dtype", "device", "version", "ptr", "base", "writes", "frame")
 
     def __init__(self, t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> None:
         self.key = id(t)
+        # Where its data is: a `.data = ...` assignment or set_() later moves it.
+        self.ptr = data_ptr(t)
         self.op = op  # index of the op that made it
         # Jagged nested tensors get a fresh symbolic size on every construction.
         self.size = t.shape if type(t) is Tensor or not t.is_nested else None
@@ -58,6 +60,23 @@ class Var:
     def describe(self) -> str:
         shape = "nested" if self.size is None else str(list(self.size))
         return f"tensor of shape {shape} ({self.dtype}, {self.device})"
+
+
+def data_ptr(t: Tensor) -> int | None:
+    """``t.data_ptr()`` of a plain strided tensor; None where there is none (sparse,
+    subclasses)."""
+    if type(t) is not Tensor:
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def moved(var: Var, t: Tensor) -> bool:
+    """Whether ``t`` (the tensor ``var`` stands for) no longer holds the data the
+    block made: its storage was swapped (`.data = ...`, ``set_()``)."""
+    return var.ptr is not None and data_ptr(t) != var.ptr
 
 
 class Input:
@@ -142,12 +161,19 @@ class Frame:
 class BlockRecord:
     """The record of one block. ``ops`` only grows while ``open``; then never changes."""
 
-    __slots__ = ("ops", "open", "debug_values", "__weakref__")
+    __slots__ = ("ops", "open", "debug_values", "scratch", "loose", "escaped", "__weakref__")
 
     def __init__(self) -> None:
         self.ops: list[OpRecord] = []
         self.open = True
         self.debug_values: dict[Var, Tensor] = {}  # debug=True: what forward computed
+        self.scratch: set[Var] = set()  # debug=True: kernel scratch outputs, never compared
+        # Storage groups with members that have version counters of their own
+        # (``unsafe_chunk`` pieces): root -> those members.
+        self.loose: dict[Var, list[Var]] = {}
+        # At block exit, for each such group: its members alive then, with their
+        # versions; a write through one of them later changes the others unseen.
+        self.escaped: dict[Var, dict[Var, int]] = {}
 
     def vars(self) -> list[Var]:
         return [v for rec in self.ops for v in rec[4] if v is not None]

@@ -26,9 +26,24 @@ _HIDDEN_WRITES: dict[str, tuple[int, ...]] = {
     "aten::_native_batch_norm_legit": (3, 4),
     "aten::_batch_norm_with_update": (3, 4),
 }
-# Ops whose result shares its first argument's storage although the schema
-# does not mark it as an alias.
-_HIDDEN_VIEWS = frozenset({"aten::_unsafe_view", "aten::_reshape_alias"})
+# Outputs that are kernel scratch space (RNN workspaces): their bytes differ from
+# run to run while every other output is equal, so debug=True does not compare them.
+_SCRATCH_OUTPUTS: dict[str, tuple[int, ...]] = {
+    "aten::mkldnn_rnn_layer": (3,),
+    "aten::_cudnn_rnn": (3,),
+    "aten::miopen_rnn": (3,),
+}
+# Ops whose results share their first argument's storage although the schema
+# does not mark them as aliases; they get version counters of their own.
+_HIDDEN_VIEWS = frozenset(
+    {
+        "aten::_unsafe_view",
+        "aten::_reshape_alias",
+        "aten::unsafe_split",
+        "aten::unsafe_split_with_sizes",
+        "aten::unsafe_chunk",
+    }
+)
 
 # Collectives replayed in backward can hang or corrupt data when ranks replay
 # in different orders: their outputs are stored, never recomputed.
@@ -93,6 +108,8 @@ class OpFacts:
         "meta_only",
         "dtype_arg",
         "fast",
+        "scratch",
+        "loose",
     )
 
     def __init__(self, func: Any) -> None:
@@ -103,6 +120,9 @@ class OpFacts:
         self.seeded = SEEDED_TAG in func.tags
         aten = namespace == "aten"
         self.uninitialized = aten and (short.startswith("empty") or short.startswith("new_empty"))
+        self.scratch: tuple[int, ...] = _SCRATCH_OUTPUTS.get(schema.name, ())
+        # Its outputs alias an argument with version counters of their own.
+        self.loose = schema.name in _HIDDEN_VIEWS
         self.meta_only = aten and (short in _META_ONLY or short.startswith("randint_like"))
 
         args, outs = _alias_sets(func)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _rng
-from ._block import BlockRecord, Input, MetaArg, Var
+from ._block import BlockRecord, Input, MetaArg, Var, moved
 from ._errors import RecomputeError
 from ._registry import _LIVE
 from ._subclass import data_tensor, storage_freed
@@ -261,7 +261,7 @@ def _load(r: Ref, func: Any, cache: dict[tuple[Var, int], Tensor], freed: Callab
     if v is None:
         e = _LIVE.get(r.key)
         t = e() if e is not None and e.var is r else None
-        if t is None or t.is_inference() or t._version != r.version:
+        if t is None or t.is_inference() or t._version != r.version or moved(r, t):
             raise RecomputeError(
                 f"gradient_scope: internal error: no value for a {r.describe()} needed by {func}. Please report this."
             )

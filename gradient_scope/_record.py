@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _registry
 from ._block import BlockRecord, Frame, Var
 from ._ops import _FACTS, facts
-from ._recording import NO_KWARGS, Recording
+from ._recording import NO_KWARGS, Recording, Unrecordable
 from ._registry import register
 from ._torch_compat import (
     OpOverload,
@@ -64,11 +64,14 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     if kwargs or not f.fast or not block.frame.plain:
         return block.record(func, f, args, kwargs or NO_KWARGS)
     # The hot path (most ops): positional arguments, one fresh output.
-    rargs = block.refs(args)
+    try:
+        rargs = block.refs(args)
+    except Unrecordable:
+        return block.unrecorded(func, f, args, NO_KWARGS)
     out = func._op(*args)
     ops = block.record_.ops
     outs: tuple[Var, ...] = ()
-    if isinstance(out, Tensor):
+    if isinstance(out, Tensor) and (type(out) is Tensor or not out.is_nested):  # R8
         for a in args:
             if a is out:
                 break

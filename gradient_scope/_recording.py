@@ -14,14 +14,19 @@ R3. Ops of a backward pass that runs inside an open block belong to that pass,
     not to the block; ops under ``no_grad`` in the block (an
     ``autograd.Function`` forward) belong to the block.
 R4. ``dtype=None`` of a factory is recorded as the dtype forward resolved.
-R5. An Input that is another block's live tensor is noted in the registry, so
-    that its value (in memory as long as this block's record lives) is used
-    instead of replaying the other block.
+R5. An Input that is another block's live tensor is noted in that tensor's
+    registry entry: its value is in memory anyway, and is used instead of
+    replaying the other block for as long as a handle of it is pending.
 R6. A write's version is read after the op has returned to autograd, where
     ADInplaceOrView bumps it (some kernels write without a bump): when the next
     op is recorded, when a tensor is packed, or when the block closes.
 R7. Ops that a compiled artifact (``torch.compile``) runs inside a block are not
     recorded: its graph stores what it decides (``_torch_compat.in_compiled_code``).
+R8. Jagged nested tensors are not block tensors (autograd stores them): each
+    construction gets a fresh symbolic ragged size, so a replayed one could not
+    meet the gradients forward's size flows into. Ops that read one are not
+    recorded either (the record never holds one: it holds its block's tensors).
+    The tensors they are built from stay recomputable.
 """
 
 from __future__ import annotations
@@ -34,13 +39,17 @@ from . import _registry, _rng
 from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var
 from ._ops import INPLACE, NEW, VIEW, OpFacts
 from ._registry import _LIVE, Ledger, register
-from ._subclass import data_tensor, is_wrapper
+from ._subclass import data_tensor, data_tensors, is_wrapper
 from ._torch_compat import current_graph_task
 
 __all__ = ["Recording", "NO_KWARGS"]
 
 Tensor = torch.Tensor
 NO_KWARGS: dict[str, Any] = {}  # shared, never written
+
+
+class Unrecordable(Exception):
+    """An argument the record must not hold (R8): the op runs unrecorded."""
 
 
 class _Inputs:
@@ -54,6 +63,8 @@ class _Inputs:
 
     def of(self, t: Tensor, entry: _registry.Entry | None) -> Input:
         """The Input standing for ``t`` (``entry``: t's registry entry if another block made it)."""
+        if type(t) is not Tensor and t.is_nested:
+            raise Unrecordable  # R8
         key = id(t)
         inp = self.cache.get(key)
         if inp is not None and inp.source() is t and inp.version == t._version:
@@ -140,7 +151,12 @@ class Recording:
     def close(self, aborted: bool) -> None:
         self.settle()
         self._count()
-        self.record_.open = False
+        record = self.record_
+        for root, members in record.loose.items():
+            alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
+            if len(alive) > 1:
+                record.escaped[root] = alive
+        record.open = False
         self.inputs = _Inputs()
         if aborted:
             _registry.forget(self.record_.vars())
@@ -185,7 +201,10 @@ class Recording:
             for root, _ in pre or ():
                 self._add_write(root, len(self.record_.ops), None)
             return out
-        rargs = self.refs(args)
+        try:
+            rargs = self.refs(args)
+        except Unrecordable:
+            return self.unrecorded(func, f, args, kwargs)
         if (
             f.meta_only
             and args
@@ -197,12 +216,15 @@ class Recording:
         rkwargs = NO_KWARGS
         if kwargs:
             rkwargs = {}
-            for k, a in kwargs.items():
-                if isinstance(a, Tensor):
-                    a = self.ref(a)
-                elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
-                    a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
-                rkwargs[k] = a
+            try:
+                for k, a in kwargs.items():
+                    if isinstance(a, Tensor):
+                        a = self.ref(a)
+                    elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                        a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
+                    rkwargs[k] = a
+            except Unrecordable:
+                return self.unrecorded(func, f, args, kwargs)
         rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
         pre = self._before_writes(f, args, kwargs) if f.writes else None
 
@@ -224,6 +246,20 @@ class Recording:
         if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
             rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
         ops.append((func, rargs, rkwargs, rng, outs))
+        return out
+
+    def unrecorded(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run an op that reads a jagged nested tensor (R8) without recording it; block
+        tensors inside an argument it writes to can no longer be replayed."""
+        out = func(*args, **kwargs)
+        index = len(self.record_.ops)
+        for w in f.writes:
+            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+            if isinstance(t, Tensor):
+                for d in data_tensors(t):
+                    e = _registry.lookup(d)
+                    if e is not None and e.block is self.owner:
+                        self._add_write(e.var.root, index, None)
         return out
 
     def _before_writes(self, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, Tensor]]:
@@ -259,6 +295,8 @@ class Recording:
         kind = f.out_kind(i)
         if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
             return None  # not a new tensor
+        if type(t) is not Tensor and t.is_nested:
+            return None  # R8
         root: Group | None = None
         version = 0
         if kind == VIEW:
@@ -272,8 +310,13 @@ class Recording:
         elif kind != NEW:  # pragma: no cover
             raise AssertionError(kind)
         var = Var(t, index, self.frame, root, version)
-        if self.frame.debug and not f.uninitialized:
-            self.record_.debug_values[var] = t.detach().clone()
+        if f.loose and isinstance(root, Var):
+            self.record_.loose.setdefault(root, []).append(var)
+        if self.frame.debug:
+            if i in f.scratch:
+                self.record_.scratch.add(var)
+            elif not f.uninitialized:
+                self.record_.debug_values[var] = t.detach().clone()
         register(t, var, self.owner, self.frame.serial, self.ledger)
         return var
 

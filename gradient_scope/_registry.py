@@ -86,9 +86,10 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
     block: Any  # the replay state of the block that made it
     serial: int  # of the scope entry that made it
     ledger: Ledger
-    # Weak references to aliases that other blocks hold of this tensor (same
-    # storage and version counter): its value stays in memory while one lives.
-    aliases: list[weakref.ref[torch.Tensor]] | None
+    # Aliases that other blocks read of this tensor (same storage and version
+    # counter). An entry lives while its tensor lives or a handle of it is pending,
+    # so its value stays in memory exactly as long as something may ask for it.
+    aliases: list[torch.Tensor] | None
 
 
 _LIVE: dict[int, Entry] = {}
@@ -156,12 +157,11 @@ def forget(vars: list[Any]) -> None:
 
 
 def note_alias(entry: Entry, alias: torch.Tensor) -> None:
-    """Another block keeps ``alias`` (sharing ``entry``'s tensor storage and version)."""
-    ref = weakref.ref(alias)
+    """Another block read ``entry``'s tensor; ``alias`` shares its storage and version."""
     if entry.aliases is None:
-        entry.aliases = [ref]
+        entry.aliases = [alias]
     else:
-        entry.aliases.append(ref)
+        entry.aliases.append(alias)
 
 
 def tensor_of(var: Any) -> torch.Tensor | None:
@@ -177,8 +177,7 @@ def value_in_memory(entry: Entry, version: int) -> torch.Tensor | None:
     t = entry()
     if t is not None:
         return t if t._version == version else None
-    for ref in entry.aliases or ():
-        a = ref()
-        if a is not None and a._version == version:
+    for a in entry.aliases or ():
+        if a._version == version:
             return a
     return None

@@ -34,6 +34,10 @@ P7. A closed block's record (its ops and the aliases of its inputs) lives only
     backward needs the block no more and the record is released, also while
     some of the block's tensors live on (a key/value cache). Such a tensor,
     saved after that, is stored.
+P8. A storage group with members of separate version counters (``unsafe_chunk``
+    pieces) that outlive the block can change without the saved tensor's version
+    changing: later saves of it are stored, and a handle made earlier checks
+    those members before a replay.
 """
 
 from __future__ import annotations
@@ -46,11 +50,11 @@ from typing import Any
 import torch
 
 from . import _record
-from ._block import BlockRecord, Input, Var
+from ._block import BlockRecord, Input, Var, moved
 from ._errors import RecomputeError
 from ._plan import Instr, Ref, closure, compile_op, op_refs, run_plan
-from ._registry import _LIVE, Entry, value_in_memory
-from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
+from ._registry import _LIVE, Entry, tensor_of, value_in_memory
+from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback, sequence_nr
 
 __all__ = ["Handle", "ViewSpec", "ReplayState", "materialize", "add_freed_storage_handler", "inplace_error"]
 
@@ -137,12 +141,24 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
     _freed_storage_handlers.append(fn)
 
 
+def _debug_check(t: Tensor) -> Tensor:
+    """What ``debug=True`` compares a handle's value with at unpack: what autograd
+    itself would hand back. Autograd keeps a saved input itself (so it sees a later
+    `.data = ...`) and a saved output as a shallow copy; so does this (holding an
+    output itself would be a reference cycle through its own node)."""
+    g = t.grad_fn
+    if g is not None and g._sequence_nr() == sequence_nr() - 1:  # the node being built
+        return t.detach()
+    return t
+
+
 def materialize(h: Handle) -> Tensor:
-    """The value ``h`` stands for (P3, else a replay), as autograd saved it."""
+    """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
+    ``debug=True`` it is always replayed, then compared with the saved tensor."""
     t = h.entry()
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
-    t = value_in_memory(h.entry, h.version)
+    t = value_in_memory(h.entry, h.version) if h.check is None else None
     if t is not None:
         h.state.served(h)
         with _record.paused():
@@ -175,7 +191,7 @@ def _live(var: Var) -> Tensor | None:
     e = _LIVE.get(var.key)
     if e is not None and e.var is var:
         t: Tensor | None = e()
-        if t is not None and not t.is_inference() and t._version == var.version:
+        if t is not None and not t.is_inference() and t._version == var.version and not moved(var, t):
             return t
     return None
 
@@ -236,13 +252,19 @@ class ReplayState:
         root = var.root
         if isinstance(root, Input):
             return None  # a view of an outside tensor: storing it costs nothing extra
-        if self.record is None:
+        record = self.record
+        if record is None:
             return None  # released (P7): the block cannot be replayed any more
+        if root in record.escaped:
+            return None  # another member may be written after the block unseen (P8)
+        base = t if view is None else t._base
+        if base is not None and moved(var, base):
+            return None  # its data was swapped after the block (`.data = ...`)
         v = t._version
         writes = root.writes
         if v != (writes[-1][1] if writes else var.version):
             return None  # changed by something the block did not record (e.g. after it)
-        check = t.detach() if var.frame.debug else None
+        check = _debug_check(t) if var.frame.debug and var not in record.scratch else None
         h = Handle(self, entry, var, v, view, check)
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
@@ -269,6 +291,17 @@ class ReplayState:
             raise RecomputeError(
                 "gradient_scope: internal error: a block record was released early. Please report this."
             )
+        root = var.root
+        escaped = record.escaped.get(root, {}) if isinstance(root, Var) else {}
+        for member, version in escaped.items():  # P8
+            t = tensor_of(member)
+            if member is not var and (t is None or t._version != version):
+                raise RecomputeError(
+                    f"gradient_scope: cannot recompute a {var.describe()}: a tensor sharing its "
+                    "storage with a version counter of its own (an unsafe_split / unsafe_chunk "
+                    "piece) outlived the block and may have been written since. Keep such "
+                    "pieces inside the block, or the tensor out of the recompute_scope."
+                )
         with self.lock:
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None

@@ -143,8 +143,6 @@ class _OpTracker(TorchFunctionMode):
             self.current = outer
 
 
-
-
 _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
 
 

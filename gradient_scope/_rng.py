@@ -36,8 +36,14 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
 
 
 def capture(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Generator, torch.Tensor] | None:
-    """Return (generator, state) for the generator a seeded op is about to use."""
+    """Return (generator, state) for the generator a seeded op is about to use: an
+    explicit one (``generator=``, or passed positionally), else the device's default."""
     gen = kwargs.get("generator")
+    if gen is None:
+        for a in args:
+            if isinstance(a, torch.Generator):
+                gen = a
+                break
     if gen is None:
         gen = _default_generator(_op_device(args, kwargs))
         if gen is None:

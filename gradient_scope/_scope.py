@@ -223,14 +223,16 @@ def _each_step_scoped(gen: Any, options: dict[str, Any]) -> Generator[Any, Any, 
     send: Any = None
     throw: BaseException | None = None
     while True:
-        done: StopIteration | None = None
+        finished, result, out = False, None, None
         with recompute_scope(**options):
             try:
                 out = gen.throw(throw) if throw is not None else gen.send(send)
             except StopIteration as stop:
-                done = stop
-        if done is not None:
-            return done.value
+                # Keep the value, not the exception: its traceback holds this frame
+                # (a reference cycle that would keep the yielded tensors alive).
+                finished, result = True, stop.value
+        if finished:
+            return result
         send, throw = None, None
         try:
             send = yield out
@@ -239,6 +241,8 @@ def _each_step_scoped(gen: Any, options: dict[str, Any]) -> Generator[Any, Any, 
             raise
         except BaseException as e:  # noqa: BLE001  (thrown into us: the inner one gets it)
             throw = e
+        finally:
+            out = None
 
 
 class _ScopedAwaitable:
