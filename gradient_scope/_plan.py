@@ -21,7 +21,7 @@ from ._registry import _LIVE
 from ._subclass import data_tensor, storage_freed
 from ._torch_compat import without_autocast
 
-__all__ = ["Ref", "Instr", "op_refs", "compile_op", "closure", "run_plan"]
+__all__ = ["Ref", "Instr", "Derived", "op_refs", "compile_op", "closure", "run_plan"]
 
 Ref = Var | Input
 
@@ -167,6 +167,48 @@ def closure(
             for r in refs[i]:
                 mark(r, i)
     return [i for i in range(bound) if need[i]]
+
+
+class Derived:
+    """What replay derives from a block's record: each op's refs and compiled form,
+    and closures. Kept once the record is closed (its op list no longer changes)."""
+
+    __slots__ = ("refs", "code", "closures")
+
+    def __init__(self) -> None:
+        self.refs: list[tuple[Ref, ...]] | None = None
+        self.code: list[Instr | None] | None = None
+        self.closures: dict[Var, frozenset[int]] = {}
+
+    def op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
+        if record.open:
+            return [op_refs(rec) for rec in record.ops]
+        if self.refs is None:
+            self.refs = [op_refs(rec) for rec in record.ops]
+        return self.refs
+
+    def compiled(self, record: BlockRecord, plan: list[int]) -> list[Instr]:
+        """The compiled form of (at least) the ops of ``plan``."""
+        ops = record.ops
+        if record.open:
+            code: list[Any] = [None] * len(ops)
+        else:
+            if self.code is None:
+                self.code = [None] * len(ops)
+            code = self.code
+        for i in plan:
+            if code[i] is None:
+                code[i] = compile_op(ops[i])
+        return code
+
+    def closure_of(self, record: BlockRecord, refs: Sequence[tuple[Ref, ...]], var: Var) -> Collection[int]:
+        """``closure`` of ``var`` at the end of the record, memoised once closed."""
+        if record.open:
+            return closure(refs, var, len(record.ops), None)
+        ops = self.closures.get(var)
+        if ops is None:
+            ops = self.closures[var] = frozenset(closure(refs, var, len(record.ops), None))
+        return ops
 
 
 def run_plan(

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _registry
 from ._block import BlockRecord, Frame, Var
 from ._ops import _FACTS, facts
-from ._recording import NO_KWARGS, Recording, Unrecordable
+from ._recording import NO_KWARGS, Recording, Unrecordable, run_unrecorded
 from ._registry import register
 from ._torch_compat import (
     OpOverload,
@@ -67,7 +67,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     try:
         rargs = block.refs(args)
     except Unrecordable:
-        return block.unrecorded(func, f, args, NO_KWARGS)
+        return run_unrecorded(block, func, f, args, NO_KWARGS)
     out = func._op(*args)
     ops = block.record_.ops
     outs: tuple[Var, ...] = ()

@@ -152,10 +152,7 @@ class Recording:
         self.settle()
         self._count()
         record = self.record_
-        for root, members in record.loose.items():
-            alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
-            if len(alive) > 1:
-                record.escaped[root] = alive
+        _note_escaped(record)
         record.open = False
         self.inputs = _Inputs()
         if aborted:
@@ -204,7 +201,7 @@ class Recording:
         try:
             rargs = self.refs(args)
         except Unrecordable:
-            return self.unrecorded(func, f, args, kwargs)
+            return run_unrecorded(self, func, f, args, kwargs)
         if (
             f.meta_only
             and args
@@ -224,7 +221,7 @@ class Recording:
                         a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
                     rkwargs[k] = a
             except Unrecordable:
-                return self.unrecorded(func, f, args, kwargs)
+                return run_unrecorded(self, func, f, args, kwargs)
         rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
         pre = self._before_writes(f, args, kwargs) if f.writes else None
 
@@ -235,10 +232,10 @@ class Recording:
         for root, t in pre or ():
             self.unsettled.append((root, t, index))
         if isinstance(out, Tensor):
-            outs: tuple[Var | None, ...] = (self._out(out, f, 0, args, kwargs, rargs, rkwargs, index),)
+            outs: tuple[Var | None, ...] = (_new_var(self, out, f, 0, args, kwargs, rargs, rkwargs, index),)
         elif isinstance(out, (tuple, list)):
             outs = tuple(
-                self._out(o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
+                _new_var(self, o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
                 for i, o in enumerate(out)
             )
         else:
@@ -246,20 +243,6 @@ class Recording:
         if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
             rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
         ops.append((func, rargs, rkwargs, rng, outs))
-        return out
-
-    def unrecorded(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run an op that reads a jagged nested tensor (R8) without recording it; block
-        tensors inside an argument it writes to can no longer be replayed."""
-        out = func(*args, **kwargs)
-        index = len(self.record_.ops)
-        for w in f.writes:
-            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
-            if isinstance(t, Tensor):
-                for d in data_tensors(t):
-                    e = _registry.lookup(d)
-                    if e is not None and e.block is self.owner:
-                        self._add_write(e.var.root, index, None)
         return out
 
     def _before_writes(self, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, Tensor]]:
@@ -281,44 +264,70 @@ class Recording:
             root.writes = []
         root.writes.append((index, version))
 
-    def _out(
-        self,
-        t: Tensor,
-        f: OpFacts,
-        i: int,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        rargs: list[Any],
-        rkwargs: dict[str, Any],
-        index: int,
-    ) -> Var | None:
-        kind = f.out_kind(i)
-        if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
-            return None  # not a new tensor
-        if type(t) is not Tensor and t.is_nested:
-            return None  # R8
-        root: Group | None = None
-        version = 0
-        if kind == VIEW:
-            where = f.view_arg(i)
-            src = rkwargs.get(where) if isinstance(where, str) else (rargs[where] if where < len(rargs) else None)
-            if isinstance(src, list):  # Tensor[] arguments (cat-like views are not a thing)
-                src = src[0] if src else None
-            if isinstance(src, (Var, Input)):
-                root = src.root
-            version = _version(t)
-        elif kind != NEW:  # pragma: no cover
-            raise AssertionError(kind)
-        var = Var(t, index, self.frame, root, version)
-        if f.loose and isinstance(root, Var):
-            self.record_.loose.setdefault(root, []).append(var)
-        if self.frame.debug:
-            if i in f.scratch:
-                self.record_.scratch.add(var)
-            elif not f.uninitialized:
-                self.record_.debug_values[var] = t.detach().clone()
-        register(t, var, self.owner, self.frame.serial, self.ledger)
-        return var
+
+def _new_var(
+    rec: Recording,
+    t: Tensor,
+    f: OpFacts,
+    i: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rargs: list[Any],
+    rkwargs: dict[str, Any],
+    index: int,
+) -> Var | None:
+    """The Var of a new tensor an op returned (its ``i``-th output), registered; None
+    for an output that is not a new tensor."""
+    kind = f.out_kind(i)
+    if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
+        return None  # not a new tensor
+    if type(t) is not Tensor and t.is_nested:
+        return None  # R8
+    root: Group | None = None
+    version = 0
+    if kind == VIEW:
+        where = f.view_arg(i)
+        src = rkwargs.get(where) if isinstance(where, str) else (rargs[where] if where < len(rargs) else None)
+        if isinstance(src, list):  # Tensor[] arguments (cat-like views are not a thing)
+            src = src[0] if src else None
+        if isinstance(src, (Var, Input)):
+            root = src.root
+        version = _version(t)
+    elif kind != NEW:  # pragma: no cover
+        raise AssertionError(kind)
+    var = Var(t, index, rec.frame, root, version)
+    if f.loose and isinstance(root, Var):
+        rec.record_.loose.setdefault(root, []).append(var)
+    if rec.frame.debug:
+        if i in f.scratch:
+            rec.record_.scratch.add(var)
+        elif not f.uninitialized:
+            rec.record_.debug_values[var] = t.detach().clone()
+    register(t, var, rec.owner, rec.frame.serial, rec.ledger)
+    return var
+
+
+def run_unrecorded(rec: Recording, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an op that reads a jagged nested tensor (R8) without recording it; block
+    tensors inside an argument it writes to can no longer be replayed."""
+    out = func(*args, **kwargs)
+    index = len(rec.record_.ops)
+    for w in f.writes:
+        t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+        if isinstance(t, Tensor):
+            for d in data_tensors(t):
+                e = _registry.lookup(d)
+                if e is not None and e.block is rec.owner:
+                    rec._add_write(e.var.root, index, None)
+    return out
+
+
+def _note_escaped(record: BlockRecord) -> None:
+    """At block exit (P8 in ``_replay``): groups with separate-counter members alive now."""
+    for root, members in record.loose.items():
+        alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
+        if len(alive) > 1:
+            record.escaped[root] = alive
 
 
 def _has_tensor(seq: Any) -> bool:

@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from . import _record
 from ._block import BlockRecord, Input, Var, moved
 from ._errors import RecomputeError
-from ._plan import Instr, Ref, closure, compile_op, op_refs, run_plan
+from ._plan import Derived, Ref, closure, run_plan
 from ._registry import _LIVE, Entry, tensor_of, value_in_memory
 from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback, sequence_nr
 
@@ -230,11 +229,37 @@ class _Pass:
                 self.cache.pop(key, None)
 
 
+def _wanted(
+    derived: Derived, record: BlockRecord, refs: list[tuple[Ref, ...]], ps: _Pass, h: Handle, plan: set[int]
+) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
+    """What the other pending handles will ask for that this plan makes: their
+    own values (targets), and values their own replays would read (frontier)."""
+    targets: dict[Var, list[Handle]] = {}
+    frontier: dict[Var, list[Handle]] = {}
+    for ref in list(ps.pending.values()):
+        h2 = ref()
+        if h2 is None or h2 is h:
+            continue
+        n2 = h2.var
+        if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
+            continue
+        if n2.op in plan:
+            targets.setdefault(n2, []).append(h2)
+            continue
+        for i in derived.closure_of(record, refs, n2):
+            if i in plan:
+                continue
+            for r in refs[i]:
+                if isinstance(r, Var) and r.op in plan and not r.root.writes:
+                    frontier.setdefault(r, []).append(h2)
+    return targets, frontier
+
+
 class ReplayState:
     """Replay bookkeeping of one block: its pending handles, the current pass's
     cache, memoised closures. Only this class writes them, under ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "closures", "_refs", "_code", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7)
@@ -242,9 +267,7 @@ class ReplayState:
         self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
         self.handles = 0  # live handles
         self.current: _Pass | None = None
-        self.closures: dict[Var, frozenset[int]] = {}
-        self._refs: list[tuple[Ref, ...]] | None = None  # op_refs of each op, once closed
-        self._code: list[Instr | None] | None = None  # compile_op of each op replayed, once closed
+        self.derived = Derived()  # what replay derives from the record, once closed
 
     def handle(self, entry: Entry, t: Tensor, view: ViewSpec | None) -> Handle | None:
         """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it."""
@@ -316,13 +339,13 @@ class ReplayState:
             def available(r: Var) -> bool:
                 return (r, 0) in cache or _live(r) is not None
 
-            refs = self._op_refs(record)
+            refs = self.derived.op_refs(record)
             plan = closure(refs, var, len(record.ops), available)
-            code = self._compiled(record, plan)
+            code = self.derived.compiled(record, plan)
             if ps is None:
                 with _record.paused(), torch.enable_grad(), below_autograd():
                     return run_plan(record, refs, code, plan, var, cache, (), {}, self._freed)
-            targets, frontier = self._wanted(record, refs, ps, h, set(plan))
+            targets, frontier = _wanted(self.derived, record, refs, ps, h, set(plan))
             produced: dict[Var, Tensor] = {}
             keep = targets.keys() | frontier.keys()
             with _record.paused(), torch.enable_grad(), below_autograd():
@@ -352,8 +375,7 @@ class ReplayState:
             if self.handles == 0 and self.record is not None and not self.record.open:
                 self.record = None
                 self.current = None
-                self.closures = {}
-                self._refs = self._code = None
+                self.derived = Derived()
 
     # -- P4 bookkeeping
 
@@ -387,59 +409,6 @@ class ReplayState:
         ps.serve(h)
         if not ps.pending:
             self.current = None  # nothing left to serve in this pass: free the cache
-
-    def _wanted(
-        self, record: BlockRecord, refs: list[tuple[Ref, ...]], ps: _Pass, h: Handle, plan: set[int]
-    ) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
-        """What the other pending handles will ask for that this plan makes: their
-        own values (targets), and values their own replays would read (frontier)."""
-        targets: dict[Var, list[Handle]] = {}
-        frontier: dict[Var, list[Handle]] = {}
-        for ref in list(ps.pending.values()):
-            h2 = ref()
-            if h2 is None or h2 is h:
-                continue
-            n2 = h2.var
-            if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
-                continue
-            if n2.op in plan:
-                targets.setdefault(n2, []).append(h2)
-                continue
-            for i in self._closure_of(record, refs, n2):
-                if i in plan:
-                    continue
-                for r in refs[i]:
-                    if isinstance(r, Var) and r.op in plan and not r.root.writes:
-                        frontier.setdefault(r, []).append(h2)
-        return targets, frontier
-
-    def _closure_of(self, record: BlockRecord, refs: list[tuple[Ref, ...]], var: Var) -> Collection[int]:
-        if record.open:
-            return closure(refs, var, len(record.ops), None)
-        ops = self.closures.get(var)
-        if ops is None:
-            ops = self.closures[var] = frozenset(closure(refs, var, len(record.ops), None))
-        return ops
-
-    def _compiled(self, record: BlockRecord, plan: list[int]) -> list[Instr]:
-        ops = record.ops
-        if record.open:
-            code: list[Any] = [None] * len(ops)
-        else:
-            if self._code is None:
-                self._code = [None] * len(ops)
-            code = self._code
-        for i in plan:
-            if code[i] is None:
-                code[i] = compile_op(ops[i])
-        return code
-
-    def _op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
-        if record.open:
-            return [op_refs(rec) for rec in record.ops]
-        if self._refs is None:
-            self._refs = [op_refs(rec) for rec in record.ops]
-        return self._refs
 
     @staticmethod
     def _freed(t: Tensor) -> bool:

@@ -177,6 +177,99 @@ def _fmt_bytes(n: int) -> str:
     return f"{value:.2f} {unit}"
 
 
+class _ModuleStack:
+    """The modules whose forward is running in one thread, with their paths
+    (relative to the outermost one), kept by global forward pre/post hooks."""
+
+    __slots__ = ("thread", "stack", "names", "root_label", "names_fresh")
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+        self.stack: list[tuple[nn.Module, str]] = []
+        self.names: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
+        self.root_label = ""
+        self.names_fresh = False
+
+    def current(self) -> str:
+        return self.stack[-1][1] if self.stack else _NO_MODULE
+
+    def _label(self, module: nn.Module) -> str:
+        if not self.stack:
+            self.root_label = f"({type(module).__name__})"
+            self.names = {}  # computed on the first submodule call of this root call
+            self.names_fresh = False
+            return self.root_label
+        found = self.names.get(id(module))
+        if (found is None or found[0]() is not module) and not self.names_fresh:
+            # Submodules may have changed since the last look: once per root call.
+            root = self.stack[0][0]
+            self.names = {id(m): (weakref.ref(m), name) for name, m in root.named_modules()}
+            self.names_fresh = True
+            found = self.names.get(id(module))
+        if found is not None and found[0]() is module:
+            return found[1] or self.root_label
+        # Not a submodule of the outermost running module.
+        return f"{self.stack[-1][1]}.({type(module).__name__})"
+
+    def pre_hook(self, module: nn.Module, args: Any) -> None:
+        if threading.get_ident() == self.thread:
+            self.stack.append((module, self._label(module)))
+
+    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        stack = self.stack
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is module:
+                del stack[i:]  # also modules whose forward raised without their hook
+                return
+
+
+class _Tally:
+    """Saves counted per (module path, op) row, and bytes per storage (once each)."""
+
+    __slots__ = ("rows", "storages", "retired")
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], list[int]] = {}  # key -> [count, stored, recomputable]
+        self.storages: dict[int, _Storage] = {}
+        self.retired: list[_Storage] = []  # entries whose storage died and whose key was reused
+
+    def add(self, key: tuple[str, str], t: torch.Tensor, recomputable: bool) -> None:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = [0, 0, 0]
+        row[0] += 1
+        skey, ref, nbytes = _storage_of(t)
+        entry = self.storages.get(skey)
+        if entry is not None and _expired(entry.ref):
+            self.retired.append(entry)
+            entry = None
+        if entry is None:
+            entry = self.storages[skey] = _Storage(ref, nbytes)
+        if recomputable:
+            if entry.recomputable_row is None:
+                entry.recomputable_row = key
+        elif entry.stored_row is None:
+            entry.stored_row = key
+
+    def totals(self) -> tuple[int, int, list[SavedTensorsRow]]:
+        rows = {key: [count, 0, 0] for key, (count, _, _) in self.rows.items()}
+        stored = recomputable = 0
+        for s in (*self.retired, *self.storages.values()):
+            if s.stored_row is not None:
+                rows[s.stored_row][1] += s.nbytes
+                stored += s.nbytes
+            elif s.recomputable_row is not None:
+                rows[s.recomputable_row][2] += s.nbytes
+                recomputable += s.nbytes
+        ordered = sorted(
+            (SavedTensorsRow(m, op, c, sb, rb) for (m, op), (c, sb, rb) in rows.items()),
+            key=lambda r: (-(r.stored_bytes + r.recomputable_bytes), -r.count, r.module, r.op),
+        )
+        return stored, recomputable, ordered
+
+
 class SavedTensorsReport:
     """What autograd saved for backward while a ``with`` block ran; see
     :func:`saved_tensors_report`.
@@ -197,15 +290,10 @@ class SavedTensorsReport:
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[str, str], list[int]] = {}  # key -> [count, stored, recomputable]
-        self._storages: dict[int, _Storage] = {}
-        self._retired: list[_Storage] = []  # entries whose storage died and whose key was reused
+        self._tally = _Tally()
         self._state = "new"
         self._thread = 0
-        self._modules: list[tuple[nn.Module, str]] = []
-        self._names: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
-        self._root_label = ""
-        self._names_fresh = False
+        self._modules = _ModuleStack(0)
         self._tracker: _OpTracker | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._below: tuple[Callable[..., Any], Callable[..., Any]] | None = None
@@ -218,20 +306,7 @@ class SavedTensorsReport:
     def _compute(self) -> tuple[int, int, list[SavedTensorsRow]]:
         if self._totals is not None:
             return self._totals
-        rows = {key: [count, 0, 0] for key, (count, _, _) in self._rows.items()}
-        stored = recomputable = 0
-        for s in (*self._retired, *self._storages.values()):
-            if s.stored_row is not None:
-                rows[s.stored_row][1] += s.nbytes
-                stored += s.nbytes
-            elif s.recomputable_row is not None:
-                rows[s.recomputable_row][2] += s.nbytes
-                recomputable += s.nbytes
-        ordered = sorted(
-            (SavedTensorsRow(m, op, c, sb, rb) for (m, op), (c, sb, rb) in rows.items()),
-            key=lambda r: (-(r.stored_bytes + r.recomputable_bytes), -r.count, r.module, r.op),
-        )
-        result = (stored, recomputable, ordered)
+        result = self._tally.totals()
         if self._state == "done":
             self._totals = result
         return result
@@ -296,7 +371,7 @@ class SavedTensorsReport:
     # ---------------------------------------------------------------- recording
 
     def _where(self) -> tuple[str, str]:
-        module = self._modules[-1][1] if self._modules else _NO_MODULE
+        module = self._modules.current()
         tracker = self._tracker
         func = tracker.current if tracker is not None else None
         if func is not None:
@@ -306,23 +381,7 @@ class SavedTensorsReport:
         return module, op
 
     def _record(self, t: torch.Tensor, recomputable: bool) -> None:
-        key = self._where()
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = [0, 0, 0]
-        row[0] += 1
-        skey, ref, nbytes = _storage_of(t)
-        entry = self._storages.get(skey)
-        if entry is not None and _expired(entry.ref):
-            self._retired.append(entry)
-            entry = None
-        if entry is None:
-            entry = self._storages[skey] = _Storage(ref, nbytes)
-        if recomputable:
-            if entry.recomputable_row is None:
-                entry.recomputable_row = key
-        elif entry.stored_row is None:
-            entry.stored_row = key
+        self._tally.add(self._where(), t, recomputable)
 
     def _pack(self, t: torch.Tensor) -> Any:
         below = self._below
@@ -347,39 +406,6 @@ class SavedTensorsReport:
                 self._record(t, True)
             self._handled = id(t)
 
-    # ---------------------------------------------------------------- modules
-
-    def _label(self, module: nn.Module) -> str:
-        if not self._modules:
-            self._root_label = f"({type(module).__name__})"
-            self._names = {}  # computed on the first submodule call of this root call
-            self._names_fresh = False
-            return self._root_label
-        found = self._names.get(id(module))
-        if (found is None or found[0]() is not module) and not self._names_fresh:
-            # Submodules may have changed since the last look: once per root call.
-            root = self._modules[0][0]
-            self._names = {id(m): (weakref.ref(m), name) for name, m in root.named_modules()}
-            self._names_fresh = True
-            found = self._names.get(id(module))
-        if found is not None and found[0]() is module:
-            return found[1] or self._root_label
-        # Not a submodule of the outermost running module.
-        return f"{self._modules[-1][1]}.({type(module).__name__})"
-
-    def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if threading.get_ident() == self._thread:
-            self._modules.append((module, self._label(module)))
-
-    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread:
-            return
-        stack = self._modules
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i][0] is module:
-                del stack[i:]  # also modules whose forward raised without their hook
-                return
-
     # ---------------------------------------------------------------- context
 
     def __enter__(self) -> SavedTensorsReport:
@@ -389,6 +415,7 @@ class SavedTensorsReport:
                 "again for a new report."
             )
         self._thread = threading.get_ident()
+        self._modules = _ModuleStack(self._thread)
         below = top_saved_hooks()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         hooks.__enter__()  # raises (nothing changed) where saved-tensor hooks are disabled
@@ -399,8 +426,8 @@ class SavedTensorsReport:
             tracker.__enter__()
             self._tracker = tracker
             self._cleanup.append(self._exit_tracker)
-            self._cleanup.append(register_module_forward_pre_hook(self._pre_hook).remove)
-            self._cleanup.append(register_module_forward_hook(self._post_hook, always_call=True).remove)
+            self._cleanup.append(register_module_forward_pre_hook(self._modules.pre_hook).remove)
+            self._cleanup.append(register_module_forward_hook(self._modules.post_hook, always_call=True).remove)
             self._cleanup.append(add_pack_listener(self._on_scope_pack))
         except BaseException:
             self._close()
@@ -431,8 +458,7 @@ class SavedTensorsReport:
             except BaseException as e:  # noqa: BLE001  (undo the rest anyway; re-raised below)
                 error = error or e
         self._cleanup.clear()
-        self._modules.clear()
-        self._names = {}
+        self._modules = _ModuleStack(0)
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
