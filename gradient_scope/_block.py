@@ -22,35 +22,46 @@ from typing import Any
 
 import torch
 
+from ._registry import Entry, Ledger, on_death
 from ._stats import ScopeStats
 from ._torch_compat import alias_in_dispatch
 
-__all__ = ["Var", "Input", "MetaArg", "Frame", "BlockRecord", "OpRecord", "Group", "Ref", "Write", "data_ptr", "moved"]
+__all__ = [
+    "Var",
+    "Input",
+    "MetaArg",
+    "Frame",
+    "BlockRecord",
+    "OpRecord",
+    "Group",
+    "Ref",
+    "Write",
+    "new_var",
+    "data_ptr",
+    "moved",
+]
 
 Tensor = torch.Tensor
 Write = tuple[int, int | None]  # (op index, version after; None: not replayable)
 
 
-class Var:
-    """A tensor the block made: where it came from and what it looked like."""
+class Var(Entry):
+    """A tensor the block made: where it came from and what it looked like. It is
+    also the tensor's registry entry (a weak reference to it): one object per op.
+    Made by :func:`new_var`."""
 
-    __slots__ = ("key", "op", "size", "dtype", "device", "version", "ptr", "base", "writes", "frame")
+    __slots__ = ("op", "size", "dtype", "device", "version", "ptr", "base", "writes")
 
-    def __init__(self, t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> None:
-        self.key = id(t)
-        # Where its data is: a `.data = ...` assignment or set_() later moves it.
-        self.ptr = data_ptr(t)
-        self.op = op  # index of the op that made it
-        # Jagged nested tensors get a fresh symbolic size on every construction.
-        self.size = t.shape if type(t) is Tensor or not t.is_nested else None
-        self.dtype = t.dtype
-        self.device = t.device
-        self.version = version
-        # The group's root, when not this Var itself (a Var must not refer to
-        # itself: a reference cycle would leave its block to the garbage collector).
-        self.base: Group | None = root
-        self.writes: list[Write] | tuple[()] = ()  # on roots: the block's writes to the group
-        self.frame = frame  # of the scope that made it (stats, serial)
+    op: int  # index of the op that made it
+    size: Any  # torch.Size; None for a jagged nested tensor (a fresh symbolic size each time)
+    dtype: torch.dtype
+    device: torch.device
+    version: int
+    ptr: int | None  # where its data is: `.data = ...` or set_() later moves it
+    # The group's root, when not this Var itself (a Var must not refer to itself: a
+    # reference cycle would leave its block to the garbage collector).
+    base: Group | None
+    writes: list[Write] | tuple[()]  # on roots: the block's writes to the group
 
     @property
     def root(self) -> Group:
@@ -60,6 +71,29 @@ class Var:
     def describe(self) -> str:
         shape = "nested" if self.size is None else str(list(self.size))
         return f"tensor of shape {shape} ({self.dtype}, {self.device})"
+
+
+def new_var(t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> Var:
+    """The Var of ``t``, made by op ``op`` (registered separately: ``_registry.register``)."""
+    v = Var(t, on_death)
+    v.key = id(t)
+    v.frame = frame
+    v.aliases = None
+    v.op = op
+    v.size = t.shape if type(t) is Tensor or not t.is_nested else None
+    v.dtype = t.dtype
+    v.device = t.device
+    v.version = version
+    if type(t) is Tensor:
+        try:
+            v.ptr = t.data_ptr()
+        except RuntimeError:  # no storage (sparse)
+            v.ptr = None
+    else:
+        v.ptr = None
+    v.base = root
+    v.writes = ()
+    return v
 
 
 def data_ptr(t: Tensor) -> int | None:
@@ -137,7 +171,7 @@ class Frame:
     """The options and counters of one scope recording into a block (nested
     scopes record into the enclosing block, each with its own frame)."""
 
-    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "_kept")
+    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "owner", "ledger", "_kept")
 
     def __init__(
         self, preserve_rng: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats, serial: int
@@ -148,6 +182,10 @@ class Frame:
         self.stats = stats
         self.serial = serial
         self.plain = save is None and not debug  # the hot path applies
+        # Set when the frame starts recording: the block's replay state (its tensors'
+        # registry entries reach it here) and the recording thread's ledger.
+        self.owner: Any = None
+        self.ledger: Ledger | None = None
         self._kept: dict[Any, bool] = {}
 
     def keeps(self, func: Any) -> bool:

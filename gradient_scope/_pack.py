@@ -96,9 +96,9 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
                 view = ViewSpec.of(t, base)
                 if view is None:
                     entry = None
-    if entry is not None and (below is None or entry.serial >= serial):
+    if entry is not None and (below is None or entry.frame.serial >= serial):
         _record.settle()
-        h = entry.block.handle(entry, t, view)  # S1
+        h = entry.frame.owner.handle(entry, t, view)  # S1
         if h is not None:
             for fn in _listeners:
                 fn(t, h)

@@ -302,7 +302,7 @@ def _load(r: Ref, func: Any, cache: dict[tuple[Var, int], Tensor], freed: Callab
     v = cache.get((r, 0)) if not r.root.writes else None
     if v is None:
         e = _LIVE.get(r.key)
-        t = e() if e is not None and e.var is r else None
+        t = e() if e is r else None
         if t is None or t.is_inference() or t._version != r.version or moved(r, t):
             raise RecomputeError(
                 f"gradient_scope: internal error: no value for a {r.describe()} needed by {func}. Please report this."

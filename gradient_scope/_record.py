@@ -17,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registry
-from ._block import BlockRecord, Frame, Var
+from ._block import BlockRecord, Frame, Var, new_var
 from ._ops import _FACTS, facts
 from ._recording import NO_KWARGS, Recording, Unrecordable, run_unrecorded
-from ._registry import register
+from ._registry import _LIVE, register
 from ._torch_compat import (
     OpOverload,
     current_dispatch_mode,
@@ -43,6 +43,7 @@ __all__ = [
 
 Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
+_LIVE_GET = _LIVE.get
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -64,10 +65,22 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     if kwargs or not f.fast or not block.frame.plain:
         return block.record(func, f, args, kwargs or NO_KWARGS)
     # The hot path (most ops): positional arguments, one fresh output.
-    try:
-        rargs = block.refs(args)
-    except Unrecordable:
-        return run_unrecorded(block, func, f, args, NO_KWARGS)
+    owner = block.owner
+    rargs: list[Any] = []
+    for a in args:  # Recording.refs, inlined
+        if isinstance(a, Tensor):
+            e = _LIVE_GET(id(a))
+            if e is not None and e.frame.owner is owner and e() is a:
+                rargs.append(e)
+            else:
+                try:
+                    rargs.append(block.inputs.of(a, e))
+                except Unrecordable:
+                    return run_unrecorded(block, func, f, args, NO_KWARGS)
+        elif type(a) is list or type(a) is tuple:
+            return block.record(func, f, args, NO_KWARGS)
+        else:
+            rargs.append(a)
     out = func._op(*args)
     ops = block.record_.ops
     outs: tuple[Var, ...] = ()
@@ -76,9 +89,8 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             if a is out:
                 break
         else:
-            frame = block.frame
-            var = Var(out, len(ops), frame, None, 0)  # a fresh tensor has version 0
-            register(out, var, block.owner, frame.serial, block.ledger)
+            var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
+            register(var)
             outs = (var,)
     ops.append((func, rargs, NO_KWARGS, None, outs))
     return out

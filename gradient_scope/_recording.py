@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from . import _registry, _rng
-from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var
+from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var, new_var
 from ._ops import INPLACE, NEW, VIEW, OpFacts
 from ._registry import _LIVE, Ledger, register
 from ._subclass import data_tensor, data_tensors, is_wrapper
@@ -112,6 +112,7 @@ class Recording:
         self.record_ = record
         self.owner = owner  # the block's replay state: its tensors' registry entries point to it
         self.ledger = lg
+        frame.owner, frame.ledger = owner, lg
         self.task = current_graph_task()  # R3: the backward pass it was opened in (-1: none)
         self.frames = [frame]
         self.starts = [0]  # op index at which each frame began
@@ -129,6 +130,7 @@ class Recording:
         self.counted = n
 
     def push(self, frame: Frame) -> None:
+        frame.owner, frame.ledger = self.owner, self.ledger
         self._count()
         self.frames.append(frame)
         self.starts.append(len(self.record_.ops))
@@ -168,8 +170,8 @@ class Recording:
         for a in args:
             if isinstance(a, Tensor):
                 e = live_get(id(a))
-                if e is not None and e.block is owner and e() is a:
-                    out.append(e.var)
+                if e is not None and e.frame.owner is owner and e() is a:
+                    out.append(e)
                 else:
                     out.append(self.inputs.of(a, e))
             elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
@@ -180,8 +182,8 @@ class Recording:
 
     def ref(self, t: Tensor) -> Ref:
         e = _LIVE.get(id(t))
-        if e is not None and e.block is self.owner and e() is t:
-            return e.var  # type: ignore[no-any-return]
+        if e is not None and e.frame.owner is self.owner and e() is t:
+            return e  # type: ignore[return-value]
         return self.inputs.of(t, e)
 
     # -- ops
@@ -295,7 +297,7 @@ def _new_var(
         version = _version(t)
     elif kind != NEW:  # pragma: no cover
         raise AssertionError(kind)
-    var = Var(t, index, rec.frame, root, version)
+    var = new_var(t, index, rec.frame, root, version)
     if f.loose and isinstance(root, Var):
         rec.record_.loose.setdefault(root, []).append(var)
     if rec.frame.debug:
@@ -303,7 +305,7 @@ def _new_var(
             rec.record_.scratch.add(var)
         elif not f.uninitialized:
             rec.record_.debug_values[var] = t.detach().clone()
-    register(t, var, rec.owner, rec.frame.serial, rec.ledger)
+    register(var)
     return var
 
 
@@ -317,8 +319,8 @@ def run_unrecorded(rec: Recording, func: Any, f: OpFacts, args: tuple[Any, ...],
         if isinstance(t, Tensor):
             for d in data_tensors(t):
                 e = _registry.lookup(d)
-                if e is not None and e.block is rec.owner:
-                    rec._add_write(e.var.root, index, None)
+                if e is not None and e.frame.owner is rec.owner:
+                    rec._add_write(e.root, index, None)  # type: ignore[attr-defined]
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ __all__ = [
     "ledger",
     "add_empty_listener",
     "register",
+    "on_death",
     "lookup",
     "forget",
     "note_alias",
@@ -78,14 +79,19 @@ def add_empty_listener(fn: Callable[[Ledger], None]) -> None:
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a live block tensor, with what the pack hook needs."""
+    """A weak reference to a block tensor that knows its block: the recorder's
+    ``Var`` of the tensor is one. ``frame`` (the scope that made the tensor) gives
+    ``frame.owner`` (its block's replay state), ``frame.serial`` and
+    ``frame.ledger``. Compared and hashed by identity, not by referent."""
 
-    __slots__ = ("var", "block", "serial", "ledger", "aliases")
+    __slots__ = ("key", "frame", "aliases")
 
-    var: Any  # the tensor's record (a ``_record.Var``)
-    block: Any  # the replay state of the block that made it
-    serial: int  # of the scope entry that made it
-    ledger: Ledger
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+
+    key: int  # id() of the tensor
+    frame: Any
     # Aliases that other blocks read of this tensor (same storage and version
     # counter). An entry lives while its tensor lives or a handle of it is pending,
     # so its value stays in memory exactly as long as something may ask for it.
@@ -100,36 +106,31 @@ def _notify(lg: Ledger) -> None:
         fn(lg)
 
 
-def _on_death(entry: Entry) -> None:
+def on_death(entry: Entry) -> None:
+    """The callback of every Entry (pass it when creating one)."""
     if _lock is None:  # interpreter shutdown: module globals are gone
         return
     with _lock:
-        key = entry.var.key
+        key = entry.key
         if _LIVE.get(key) is not entry:
             return  # forgotten already (invariant 1)
         del _LIVE[key]
-        lg = entry.ledger
+        lg = entry.frame.ledger
         lg.died += 1
         empty = lg.born == lg.died
     if empty:
         _notify(lg)
 
 
-def register(t: torch.Tensor, var: Any, block: Any, serial: int, lg: Ledger) -> Entry | None:
-    """Record that ``t`` was made by ``block``; None if ``t`` is already registered
+def register(entry: Entry) -> bool:
+    """Record that ``entry``'s tensor is a live block tensor; False if it already is
     (an op returned an existing block tensor: the first record of it stands)."""
-    key = id(t)
+    key = entry.key
     if key in _LIVE:
-        return None
-    entry = Entry(t, _on_death)
-    entry.var = var
-    entry.block = block
-    entry.serial = serial
-    entry.ledger = lg
-    entry.aliases = None
+        return False
     _LIVE[key] = entry
-    lg.born += 1  # invariant 2: only the recording thread registers
-    return entry
+    entry.frame.ledger.born += 1  # invariant 2: only the recording thread registers
+    return True
 
 
 def lookup(t: torch.Tensor) -> Entry | None:
@@ -140,18 +141,18 @@ def lookup(t: torch.Tensor) -> Entry | None:
     return None
 
 
-def forget(vars: list[Any]) -> None:
-    """Forget the tensors of ``vars`` (an aborted block): they become ordinary tensors."""
+def forget(entries: Sequence[Entry]) -> None:
+    """Forget the tensors of ``entries`` (an aborted block): they become ordinary tensors."""
     emptied: list[Ledger] = []
     with _lock:
-        for var in vars:
-            entry = _LIVE.get(var.key)
-            if entry is not None and entry.var is var:
-                del _LIVE[var.key]
-                lg = entry.ledger
-                lg.died += 1
-                if lg.born == lg.died:
-                    emptied.append(lg)
+        for e in entries:
+            key, lg = e.key, e.frame.ledger
+            if _LIVE.get(key) is not e:
+                continue
+            del _LIVE[key]
+            lg.died += 1
+            if lg.born == lg.died:
+                emptied.append(lg)
     for lg in emptied:
         _notify(lg)
 
@@ -164,12 +165,9 @@ def note_alias(entry: Entry, alias: torch.Tensor) -> None:
         entry.aliases.append(alias)
 
 
-def tensor_of(var: Any) -> torch.Tensor | None:
-    """The live tensor ``var`` stands for, or None."""
-    entry = _LIVE.get(var.key)
-    if entry is not None and entry.var is var:
-        return entry()
-    return None
+def tensor_of(entry: Entry) -> torch.Tensor | None:
+    """The live, registered tensor ``entry`` stands for, or None."""
+    return entry() if _LIVE.get(entry.key) is entry else None
 
 
 def value_in_memory(entry: Entry, version: int) -> torch.Tensor | None:

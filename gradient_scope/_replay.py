@@ -187,9 +187,8 @@ def _same(a: Tensor, b: Tensor) -> bool:
 def _live(var: Var) -> Tensor | None:
     """The tensor ``var`` stands for, if alive and unchanged (an inference tensor,
     which has no version counter, is recomputed instead)."""
-    e = _LIVE.get(var.key)
-    if e is not None and e.var is var:
-        t: Tensor | None = e()
+    if _LIVE.get(var.key) is var:
+        t: Tensor | None = var()
         if t is not None and not t.is_inference() and t._version == var.version and not moved(var, t):
             return t
     return None
@@ -271,7 +270,7 @@ class ReplayState:
 
     def handle(self, entry: Entry, t: Tensor, view: ViewSpec | None) -> Handle | None:
         """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it."""
-        var: Var = entry.var
+        var: Var = entry  # type: ignore[assignment]
         root = var.root
         if isinstance(root, Input):
             return None  # a view of an outside tensor: storing it costs nothing extra
