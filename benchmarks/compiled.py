@@ -49,10 +49,11 @@ from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
+from ._common import MiB, machine_info
+from ._common import quartiles as _quartiles
 from .memory import measure
 from .model import GPT, GPTConfig, make_batch
 from .overhead import sac_context
-from .run import MiB, _quartiles, machine_info
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act"]
 AA = "plain_again"
