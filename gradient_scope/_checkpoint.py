@@ -26,6 +26,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """Drop-in for ``torch.utils.checkpoint.checkpoint``: run ``function`` in a scope.
@@ -66,6 +67,9 @@ def checkpoint(
         debug: accepted and ignored (``recompute_scope(debug=True)`` is the
             scope's value check).
         early_stop: accepted and ignored (a replay runs only the ops it needs).
+        respect_saved_tensors_hooks: accepted and ignored (torch >= 2.15 takes it for
+            what selective checkpointing saves; what a scope keeps always goes
+            through the ``saved_tensors_hooks`` around it).
         **kwargs: keyword arguments of ``function``.
 
     Raises:
@@ -103,5 +107,7 @@ def checkpoint(
         _check_flag("use_reentrant", use_reentrant)
     _check_flag("debug", debug)
     _check_flag("early_stop", early_stop)
+    if respect_saved_tensors_hooks is not None:
+        _check_flag("respect_saved_tensors_hooks", respect_saved_tensors_hooks)
     with recompute_scope(preserve_rng_state=preserve_rng_state):
         return function(*args, **kwargs)

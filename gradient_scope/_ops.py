@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import get_alias_info
-
-from ._torch_compat import SEEDED_TAG
+from ._torch_compat import SEEDED_TAG, get_alias_info
 
 __all__ = ["OpFacts", "facts", "NEW", "INPLACE", "VIEW"]
 

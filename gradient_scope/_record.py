@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _registry
 from ._block import BlockRecord, Frame, Var, new_var
@@ -23,8 +22,10 @@ from ._recording import NO_KWARGS, Recording, Unrecordable, run_unrecorded
 from ._registry import _LIVE, register
 from ._torch_compat import (
     OpOverload,
+    TorchDispatchMode,
     current_dispatch_mode,
     current_graph_task,
+    dynamo_disabled,
     in_compiled_code,
     remove_mode_from_under,
     skip_dynamo,
@@ -124,8 +125,7 @@ def _install_dispatch() -> None:
     if skip_dynamo(_record_op.__code__):
         Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
     else:  # a torch without per-code strategies: the wrapped form
-        disable = getattr(torch, "_disable_dynamo")  # noqa: B009  (not re-exported: getattr)
-        Recorder.__torch_dispatch__ = disable(_record_op, recursive=True)  # type: ignore[method-assign]
+        Recorder.__torch_dispatch__ = dynamo_disabled(_record_op)  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------- per thread

@@ -149,8 +149,9 @@ _COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>
 def _python_caller() -> str:
     """Names the Python code that made autograd save with no torch function running:
     ``Name.apply`` for a custom ``autograd.Function`` (its saves happen in C++
-    after its forward), else the innermost Python function outside this package
-    (``_CheckpointFrame.save_inputs`` for the inputs checkpoint keeps)."""
+    after its forward) where ``Function.apply`` is Python code, else the innermost
+    Python function outside this package (``_CheckpointFrame.save_inputs`` for the
+    inputs checkpoint keeps; the caller of ``apply`` on torch >= 2.15)."""
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
@@ -507,7 +508,8 @@ def saved_tensors_report() -> SavedTensorsReport:
     (``linear``, ``matmul``, ``softmax``, ``scaled_dot_product_attention``,
     ``mul`` for ``*``, ...), the outermost one when torch functions call each
     other (``F.multi_head_attention_forward`` counts as one op);
-    ``Name.apply`` for a custom ``autograd.Function``, ``backward`` for saves
+    ``Name.apply`` for a custom ``autograd.Function`` (on torch >= 2.15, whose
+    ``Function.apply`` is C++ code: the Python function that called it), ``backward`` for saves
     of a ``create_graph=True`` backward, and otherwise the Python function that
     saved (``_CheckpointFrame.save_inputs``: the inputs non-reentrant
     checkpoint keeps).

@@ -21,7 +21,12 @@ def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     for a in args:
         if isinstance(a, torch.Tensor):
             return a.device
-    return torch.get_default_device()
+    try:
+        return torch.get_default_device()
+    except AttributeError:
+        # torch < 2.9 raises here after set_default_device(None); factories then
+        # default to the device of a plain empty tensor, as get_default_device says.
+        return torch.empty(()).device
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:

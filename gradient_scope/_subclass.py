@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ._torch_compat import is_traceable_wrapper_subclass
 
 __all__ = ["is_wrapper", "data_tensors", "data_tensor", "storage_freed"]
 

@@ -19,6 +19,11 @@ import torch
 
 __all__ = [
     "OpOverload",
+    "OpOverloadPacket",
+    "TorchDispatchMode",
+    "get_alias_info",
+    "is_traceable_wrapper_subclass",
+    "dynamo_disabled",
     "HookPair",
     "push_saved_hooks",
     "pop_saved_hooks",
@@ -45,6 +50,13 @@ __all__ = [
 ]
 
 OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+from torch.utils._python_dispatch import (  # noqa: E402
+    TorchDispatchMode,
+    get_alias_info,
+    is_traceable_wrapper_subclass,
+)
 
 # ---------------------------------------------------------------- saved-tensor hooks
 # The thread-local stack of default (pack, unpack) pairs behind
@@ -182,6 +194,12 @@ def remove_mode_from_under(mode: Any) -> None:
     for (_, global_name), value in zip(_MODE_FLAGS, flags):
         setattr(pd, global_name, value)
     getattr(pd, "set_is_in_mode_without_ignore_compile_internals")(flags[2])  # noqa: B009
+
+
+def dynamo_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so that dynamo never traces it nor what it calls (the form
+    TorchDispatchMode gives ``__torch_dispatch__`` by default)."""
+    return getattr(torch, "_disable_dynamo")(fn, recursive=True)  # type: ignore[no-any-return]  # noqa: B009
 
 
 def skip_dynamo(code: Any) -> bool:

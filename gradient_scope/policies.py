@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ._torch_compat import OpOverload, OpOverloadPacket
+
 __all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any", "as_save_policy"]
 
 
@@ -233,7 +235,7 @@ def save_matmuls(op: Any) -> bool:
 
 def _op_key(op: Any) -> tuple[str, str | None]:
     """(qualified name, overload name or None for a packet): a picklable op name."""
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return op._schema.name, op._overloadname
     return op._qualified_op_name, None
 
@@ -251,8 +253,8 @@ class _SaveAny:
 
     def __init__(self, policies: tuple[Callable[[Any], bool], ...], ops: tuple[Any, ...]) -> None:
         self.policies = policies
-        self.overloads = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverload))
-        self.packets = frozenset(op for op in ops if isinstance(op, torch._ops.OpOverloadPacket))
+        self.overloads = frozenset(op for op in ops if isinstance(op, OpOverload))
+        self.packets = frozenset(op for op in ops if isinstance(op, OpOverloadPacket))
 
     def __call__(self, op: Any) -> bool:
         if op in self.overloads:
@@ -267,7 +269,7 @@ class _SaveAny:
 
     def __repr__(self) -> str:
         def name(x: Any) -> str:
-            if isinstance(x, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if isinstance(x, (OpOverload, OpOverloadPacket)):
                 return f"torch.ops.{x}"
             return getattr(x, "__qualname__", None) or repr(x)
 
@@ -320,7 +322,7 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     policies: list[Callable[[Any], bool]] = []
     ops: list[Any] = []
     for item in items:
-        if isinstance(item, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if isinstance(item, (OpOverload, OpOverloadPacket)):
             ops.append(item)
         elif isinstance(item, _SaveAny):
             policies.extend(item.policies)
@@ -336,7 +338,7 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     return _SaveAny(tuple(policies), tuple(ops))
 
 
-_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_OPS = (OpOverload, OpOverloadPacket)
 
 
 def as_save_policy(save: Iterable[Any] | Callable[[Any], bool] | None) -> Callable[[Any], bool] | None:

@@ -79,12 +79,14 @@ def test_public_name_and_signature():
     assert ">>>" in checkpoint.__doc__
     ours = inspect.signature(checkpoint).parameters
     theirs = inspect.signature(torch.utils.checkpoint.checkpoint).parameters
-    # Every named argument of torch's checkpoint is accepted, with torch's default.
+    # Every named argument of torch's checkpoint is accepted, with torch's default
+    # (torch >= 2.15 makes ``function`` optional for a decorator form; the contract
+    # keeps it required).
     for name, p in theirs.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         assert name in ours, name
-        if p.default is not p.empty:
+        if p.default is not p.empty and name != "function":
             assert ours[name].default == p.default or ours[name].default is p.default, name
     assert ours["preserve_rng_state"].default is True  # torch takes it from **kwargs
 
@@ -95,7 +97,13 @@ def test_public_name_and_signature():
         {},
         {"use_reentrant": False},
         {"use_reentrant": True},
-        {"use_reentrant": False, "determinism_check": "none", "debug": True, "early_stop": False},
+        {
+            "use_reentrant": False,
+            "determinism_check": "none",
+            "debug": True,
+            "early_stop": False,
+            "respect_saved_tensors_hooks": True,
+        },
         {"context_fn": noop_context_fn},
         {"preserve_rng_state": True},
     ],
@@ -193,6 +201,7 @@ def test_context_fn_other_than_default_raises():
         ({"use_reentrant": "yes"}, TypeError, "use_reentrant"),
         ({"debug": 1}, TypeError, "debug"),
         ({"early_stop": None}, TypeError, "early_stop"),
+        ({"respect_saved_tensors_hooks": 1}, TypeError, "respect_saved_tensors_hooks"),
         ({"preserve_rng_state": "no"}, TypeError, "preserve_rng_state"),
     ],
 )

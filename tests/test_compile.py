@@ -14,11 +14,14 @@ compiled graphs keep); backend="eager" has no compiled backward and ignores it.
 """
 
 import contextlib
+import gc
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import gradient_scope._compile as gs_compile
 from gradient_scope import recompute_scope
 
 from _interop import clean_stacks, repair_hook_stack  # noqa: F401
@@ -141,3 +144,39 @@ def test_compiled_module_training_with_scopes(backend, clean_stacks):
     compare(backend, actual, expected)
     del actual, expected
     clean_stacks()
+
+
+def test_fallback_warns_once_and_runs_eagerly(monkeypatch):
+    # A torch with everything compiled scopes need is made to lack one piece.
+    if gs_compile._MISSING is None:
+        monkeypatch.delattr(torch.fx.traceback, "annotate")
+        monkeypatch.setattr(gs_compile, "_MISSING", gs_compile._missing_piece())
+        assert gs_compile._MISSING == "torch.fx.traceback.annotate"
+    missing = gs_compile._MISSING
+    monkeypatch.setattr(gs_compile, "_warned", False)
+
+    def f(x, c):
+        with recompute_scope() as scope:
+            h = x.sin().exp()
+        return h * c, scope
+
+    x, c = (torch.randn(8).requires_grad_() for _ in range(2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, scope = torch.compile(f, backend="aot_eager")(x, c)
+        torch._dynamo.reset()
+        y2, scope2 = torch.compile(f, backend="aot_eager")(x, c)
+    ours = [w for w in caught if "gradient_scope" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert f"lacks {missing}" in str(ours[0].message)
+    assert isinstance(scope, recompute_scope) and scope.stats.ops_recorded == 2  # ran eagerly
+    y.sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    (x.sin().exp() * c).sum().backward()
+    assert torch.equal(gx, x.grad)
+    del y, y2, scope, scope2
+    gc.collect()
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(x, c)

@@ -14,7 +14,6 @@ differs) and with eager.
 """
 
 import contextlib
-import gc
 import warnings
 
 import pytest
@@ -28,11 +27,18 @@ from gradient_scope import apply_recompute, recompute, recompute_scope, save_mat
 
 BACKENDS = ["aot_eager", "inductor"]
 
+# On a torch that lacks a piece compiled scopes need, scopes in compiled code run
+# eagerly (tests/test_compile.py::test_fallback_warns_once_and_runs_eagerly).
+pytestmark = pytest.mark.skipif(
+    gs_compile._MISSING is not None,
+    reason=f"torch {torch.__version__} lacks {gs_compile._MISSING}: compiled scopes run eagerly",
+)
+
 
 def _compile_state():
     handler = torch._dynamo.callback_handler
     return (
-        torch._functorch.config.joint_custom_pass,
+        getattr(torch._functorch.config, "joint_custom_pass", None),
         handler.end_callbacks,
         list(handler.end_callbacks),
         torch._functorch.config.enable_autograd_cache,
@@ -167,41 +173,57 @@ def test_save_keeps_exactly_what_it_names(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_ops_replay_consistently(backend):
-    def make(scoped):
+    def block(x):
+        h = F.dropout(x.sin(), 0.5, True)
+        return h, torch.randn_like(h)
+
+    def scoped_block(x):
+        with recompute_scope():
+            return block(x)
+
+    variants = {
+        "plain": block,
+        "scoped": scoped_block,
+        "checkpoint": lambda x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False),
+    }
+
+    def make(run_block):
         def f(x, c, d):
-            with recompute_scope() if scoped else contextlib.nullcontext():
-                h = F.dropout(x.sin(), 0.5, True)
-                n = torch.randn_like(h)
+            h, n = run_block(x)
             # mul saves h and n: the backward needs the forward's mask and noise.
             return (h * c).sum() + (n * d).sum(), h.detach(), n.detach()
 
         return f
 
     results = {}
-    for scoped in (False, True):
+    for name, run_block in variants.items():
         torch._dynamo.reset()
-        fn = torch.compile(make(scoped), backend=backend, fullgraph=True)
+        fn = torch.compile(make(run_block), backend=backend, fullgraph=True)
         x, c, d = make_inputs((16, 16), (16, 16), (16, 16))
         torch.manual_seed(7)
         with Saved([x, c, d]) as saved:
             loss, h, n = fn(x, c, d)
         loss.backward()
-        results[scoped] = (saved, loss.detach(), h, n, x.grad, c.grad, d.grad, torch.get_rng_state())
-    saved, loss, h, n, gx, gc_, gd, rng = results[True]
+        results[name] = (saved, [loss.detach(), h, n, x.grad, c.grad, d.grad, torch.get_rng_state()])
+    saved, (loss, h, n, gx, gc_, gd, rng) = results["scoped"]
     # The recomputed mask and noise are the forward's: d/dc = h, d/dd = n.
     assert torch.equal(gc_ == 0, h == 0)
     torch.testing.assert_close(gc_, h)
     torch.testing.assert_close(gd, n)
     assert torch.equal(gx == 0, h == 0)  # dropped elements get no gradient
-    # The same compiled program without the scope, same seed: same random numbers,
-    # same gradients, and the generator ends in the same state.
-    _, loss_p, h_p, n_p, gx_p, gc_p, gd_p, rng_p = results[False]
-    assert torch.equal(h == 0, h_p == 0)
-    assert_close_all([loss, h, n, gx, gc_, gd], [loss_p, h_p, n_p, gx_p, gc_p, gd_p])
-    assert torch.equal(rng, rng_p)
+    # Same seed: the same random numbers, gradients and final generator state as
+    # torch.utils.checkpoint of the block compiled the same way ...
+    scoped, plain, ckpt = (results[k][1] for k in ("scoped", "plain", "checkpoint"))
+    assert all(torch.equal(a, b) for a, b in zip(scoped, ckpt))
+    # ... and as the program without either, where checkpoint matches it (inductor
+    # in torch 2.15 draws recomputed random ops differently from the plain graph).
+    if all(torch.equal(a, b) for a, b in zip(ckpt, plain)):
+        assert torch.equal(h == 0, plain[1] == 0)
+        assert_close_all(scoped[:6], plain[:6])
+        assert torch.equal(rng, plain[6])
     # Neither the mask nor the noise is kept: only RNG state to replay them.
     assert all(shape != (16, 16) for shape, _ in saved.others()), saved.others()
-    assert any(shape == (16, 16) for shape, _ in results[False][0].others())  # plain keeps them
+    assert any(shape == (16, 16) for shape, _ in results["plain"][0].others())  # plain keeps them
 
 
 # ------------------------------------------------------------------ the AOTAutograd cache
@@ -514,39 +536,3 @@ def test_compiled_scope_inside_eager_scope():
     # With it, h (an eager block tensor that the graph saves as it is) is handed to the
     # eager scope's handle: the probe, entered before the scope, sees only inputs.
     assert saved.others() == []
-
-
-# ------------------------------------------------------------------ without the needed pieces
-
-
-def test_fallback_warns_once_and_runs_eagerly(monkeypatch):
-    monkeypatch.delattr(torch.fx.traceback, "annotate")
-    monkeypatch.setattr(gs_compile, "_MISSING", gs_compile._missing_piece())
-    monkeypatch.setattr(gs_compile, "_warned", False)
-    assert gs_compile._MISSING == "torch.fx.traceback.annotate"
-
-    def f(x, c):
-        with recompute_scope() as scope:
-            h = x.sin().exp()
-        return h * c, scope
-
-    x, c = make_inputs((8,), (8,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        y, scope = torch.compile(f, backend="aot_eager")(x, c)
-        torch._dynamo.reset()
-        y2, scope2 = torch.compile(f, backend="aot_eager")(x, c)
-    ours = [w for w in caught if "gradient_scope" in str(w.message)]
-    assert len(ours) == 1, [str(w.message) for w in caught]
-    assert "lacks torch.fx.traceback.annotate" in str(ours[0].message)
-    assert isinstance(scope, recompute_scope) and scope.stats.ops_recorded == 2  # ran eagerly
-    y.sum().backward()
-    gx = x.grad.clone()
-    x.grad = None
-    (x.sin().exp() * c).sum().backward()
-    assert torch.equal(gx, x.grad)
-    del y, y2, scope, scope2
-    gc.collect()
-    torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported):
-        torch.compile(f, backend="aot_eager", fullgraph=True)(x, c)

@@ -995,6 +995,9 @@ def test_set_default_device_between_forward_and_backward():
             loss.backward()
         finally:
             torch.set_default_device(None)
+            if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", False) is None:
+                # torch < 2.9 leaves None there, on which get_default_device raises.
+                del torch._GLOBAL_DEVICE_CONTEXT.device_context
         return [a.grad]
 
     check(program, must_work=True)
@@ -1481,5 +1484,7 @@ def test_profiler_python_function_names_decode_with_scopes():
             step(i)
     names = [e.name for e in prof.events()]  # raises UnicodeDecodeError on a dangling name
     python_events = [n for n in names if ".py(" in n]
+    if not python_events:
+        pytest.skip(f"torch {torch.__version__}'s profiler records no Python frames here")
     assert any("gradient_scope" in n for n in python_events), "the library's frames were not profiled"
     assert all(n.isprintable() for n in names)

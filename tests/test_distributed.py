@@ -136,7 +136,6 @@ class _Probe:
 
     def __init__(self):
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
-        from torch.distributed.fsdp._fully_shard._fsdp_common import is_bw
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
         import gradient_scope._fsdp as gs_fsdp
@@ -149,7 +148,17 @@ class _Probe:
         probe = self
         unshard, wait = FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard
         pre, post = FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward
-        call, regather = coll.DefaultAllGather.__call__, gs_fsdp.regather
+        # The collective: a DefaultAllGather object (torch >= 2.9) or a plain call of
+        # dist.all_gather_into_tensor from FSDP2's collectives module (torch 2.8).
+        gather_owner = getattr(coll, "DefaultAllGather", None)
+        if gather_owner is None:
+            gather_owner, gather_name = coll.dist, "all_gather_into_tensor"
+        else:
+            gather_name = "__call__"
+        call, regather = getattr(gather_owner, gather_name), gs_fsdp.regather
+
+        def is_bw():
+            return torch._C._current_graph_task_id() != -1
 
         def unshard_(self, async_op=False):
             pending = self._all_gather_result
@@ -170,9 +179,9 @@ class _Probe:
             probe.events.append(("post_backward", self._module_fqn))
             return post(self, *args)
 
-        def call_(self, *args, **kwargs):
+        def call_(*args, **kwargs):
             probe.collectives += 1
-            return call(self, *args, **kwargs)
+            return call(*args, **kwargs)
 
         def regather_(t):
             probe.depth += 1
@@ -185,13 +194,20 @@ class _Probe:
 
         FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard = unshard_, wait_
         FSDPParamGroup.pre_backward, FSDPParamGroup.post_backward = pre_, post_
-        coll.DefaultAllGather.__call__ = call_
+        setattr(gather_owner, gather_name, call_)
         gs_fsdp.regather = regather_
 
     def watch(self, model):
+        def groups_of(state):  # a list since torch 2.9, one optional group in 2.8
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = state._fsdp_param_group
+                groups = [] if group is None else [group]
+            return groups
+
         self.groups = [
             g for m in model.modules() if hasattr(m, "_get_fsdp_state")
-            for g in m._get_fsdp_state()._fsdp_param_groups
+            for g in groups_of(m._get_fsdp_state())
         ]
         self.events, self.collectives, self.peak = [], 0, 0
 

@@ -502,3 +502,34 @@ def test_backward_peak_not_above_checkpoint_at_depth(layers):
     # Per random op the scope keeps one CPU generator state (5056 bytes); checkpoint
     # keeps one per block. Here each block has one dropout: no difference.
     assert scope <= ckpt, f"{layers} blocks: scope peak {scope} > checkpoint peak {ckpt} bytes"
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward failed on purpose")
+
+
+def test_a_failed_backward_releases_the_block_at_the_next_backward():
+    # PyTorch keeps the nodes a failed backward had made ready (here: sin's, which
+    # saved a handle of h) in its thread-local ready queue until the next backward on
+    # the thread; that backward drops them, and with them the block. (A debug handle
+    # holds its tensor for the comparison, so h, its registry entry and the hooks
+    # live as long as that node.)
+    a = torch.randn(16, requires_grad=True)
+    with recompute_scope(debug=True):
+        h = a.exp()
+    probes = [weakref.ref(h), weakref.ref(h.untyped_storage())]
+    s = h.sin()
+    y = (s * _FailsInBackward.apply(a)).sum()  # its node runs before sin's
+    del h, s
+    with pytest.raises(RuntimeError, match="on purpose"):
+        y.backward()
+    del y
+    torch.ones((), requires_grad=True).backward()
+    assert all(p() is None for p in probes)  # without gc.collect()
+    assert_interception_gone()

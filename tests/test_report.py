@@ -8,6 +8,7 @@ hooks in every order; global state is restored, also when the block raises.
 
 import contextlib
 import gc
+import inspect
 import os
 import sys
 import threading
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import save_on_cpu
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
@@ -29,6 +31,10 @@ from conftest import RecordingHooks, assert_interception_gone, top_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.memory import profile_cpu_memory
+
+# torch >= 2.15 runs autograd.Function.apply in C++: a custom function's saves are
+# then named after the Python function that called apply.
+APPLY_IN_PYTHON = inspect.isfunction(getattr(torch.autograd.Function.apply, "__func__", None))
 
 KiB = 1024
 
@@ -266,17 +272,25 @@ def test_op_names_custom_function_and_create_graph():
         w = torch.ops.aten.sin(x)
         (g,) = torch.autograd.grad(x.tanh().sum(), x, create_graph=True)
     ops = {r.op for r in report.rows}
-    assert {"Square.apply", "matmul", "sin", "tanh", "grad"} <= ops, ops
+    square = "Square.apply" if APPLY_IN_PYTHON else "test_op_names_custom_function_and_create_graph"
+    assert {square, "matmul", "sin", "tanh", "grad"} <= ops, ops
     del y, z, w, g
 
 
 def test_checkpoint_inputs_are_counted_not_its_insides():
     w = torch.randn(32, 32, requires_grad=True)
     x = torch.randn(16, 32, requires_grad=True)
-    for reentrant, op in ((False, "_CheckpointFrame.save_inputs"), (True, "CheckpointFunction.apply")):
+    # Non-reentrant checkpoint keeps its inputs through _CheckpointFrame.save_inputs
+    # (torch >= 2.9) or a _NoopSaveInputs function that also saves an empty tensor.
+    if hasattr(torch.utils.checkpoint._CheckpointFrame, "save_inputs"):
+        non_reentrant = ("_CheckpointFrame.save_inputs", 1)
+    else:
+        non_reentrant = ("_NoopSaveInputs.apply", 2)
+    reentrant_op = "CheckpointFunction.apply" if APPLY_IN_PYTHON else "_checkpoint_impl"
+    for reentrant, (op, count) in ((False, non_reentrant), (True, (reentrant_op, 1))):
         with saved_tensors_report() as report:
             y = checkpoint(lambda a: torch.tanh(a @ w).sin(), x, use_reentrant=reentrant)
-        assert [(r.op, r.count, r.stored_bytes) for r in report.rows] == [(op, 1, 16 * 32 * 4)]
+        assert [(r.op, r.count, r.stored_bytes) for r in report.rows] == [(op, count, 16 * 32 * 4)]
         y.sum().backward()
 
 
@@ -479,9 +493,10 @@ def test_report_keeps_no_tensor_alive():
     with saved_tensors_report() as report:
         x = torch.randn(64, requires_grad=True)
         y = x.exp()
-    probes = [weakref.ref(x), weakref.ref(y.untyped_storage())]
+    # (A weakref.ref to a storage object can outlive its storage on torch < 2.9.)
+    probe, storage = weakref.ref(x), StorageWeakRef(y.untyped_storage())
     del x, y
-    assert all(p() is None for p in probes)
+    assert probe() is None and storage.expired()
     assert report.stored_bytes == 64 * 4
 
 
