@@ -533,3 +533,39 @@ def test_a_failed_backward_releases_the_block_at_the_next_backward():
     torch.ones((), requires_grad=True).backward()
     assert all(p() is None for p in probes)  # without gc.collect()
     assert_interception_gone()
+
+
+def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handle():
+    # `u.copy_(u.cos())`: u's new node (CopyBackwards) reaches CosBackward, which saved
+    # u itself, so plain PyTorch keeps u for ever (a C++ cycle gc cannot see). In a
+    # scope the save is a handle, which holds u weakly: u dies, and the hooks go.
+    a = torch.randn(4, requires_grad=True)
+    u = a.clone()
+    u.copy_(u.cos())
+    plain = weakref.ref(u)
+    del u
+    assert plain() is not None, "PyTorch no longer leaks this cycle: update README, Limitations"
+
+    with recompute_scope():
+        u = a.clone()
+        u.copy_(u.cos())
+    probe = weakref.ref(u)
+    del u
+    assert probe() is None  # without gc.collect()
+    assert_interception_gone()
+
+
+def test_debug_keeps_a_block_tensor_in_a_pytorch_reference_cycle_as_plain_pytorch_does():
+    # debug=True keeps a saved input as autograd does (to see a later `.data = ...`), so
+    # the cycle above keeps the tensor, its record and the hook pair, exactly as plain
+    # PyTorch keeps the tensor (README, Limitations). Breaking the cycle by hand frees it.
+    a = torch.randn(4, requires_grad=True)
+    with recompute_scope(debug=True):
+        u = a.clone()
+        u.copy_(u.cos())
+    probe = weakref.ref(u)
+    del u
+    assert probe() is not None
+    probe().detach_()  # drops u's grad_fn: the cycle is gone
+    assert probe() is None
+    assert_interception_gone()
