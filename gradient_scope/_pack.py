@@ -6,12 +6,12 @@ S1. A block tensor, or a view of one, saved while our pair applies to its
     block, becomes a :class:`~gradient_scope._replay.Handle` -- unless replay
     says it must be stored (it changed in a way the block did not record).
 S2. Anything else goes to the pair below ours, exactly as without the scope.
-    With no pair below it is stored: the tensor itself when it does not
-    require grad (``saved is t``, as without hooks; PyTorch rewraps tensors
-    that require grad anyway), else a detached alias (returning an output that
-    its own node saves would make a reference cycle through the graph that the
-    garbage collector cannot free). Its version is checked at unpack: hooks
-    switch PyTorch's own in-place check off.
+    With no pair below it is stored as autograd stores it: the tensor itself
+    (``saved is t`` when it does not require grad, as without hooks; a later
+    ``.data = ...`` is seen), but an output of the node that saves it, or what
+    may be one, as a detached alias (holding it would make a reference cycle
+    through the graph that the garbage collector cannot free). Its version is checked at unpack:
+    hooks switch PyTorch's own in-place check off.
 S3. Packing never reads the data of the tensor it packs: some kernels save an
     argument before they write it.
 """
@@ -25,7 +25,7 @@ import torch
 
 from . import _record
 from ._registry import lookup
-from ._replay import ViewSpec, inplace_error
+from ._replay import ViewSpec, inplace_error, may_be_new_output
 from ._torch_compat import HookPair, without_python_dispatch
 
 __all__ = ["pack", "unpack", "add_pack_listener", "Stored", "Foreign"]
@@ -54,7 +54,7 @@ class Stored:
 
     def __init__(self, t: Tensor) -> None:
         self.version = t._version
-        if not t.requires_grad:
+        if not t.requires_grad or not may_be_new_output(t):
             self.t = t
         elif type(t) is Tensor or type(t) is torch.nn.Parameter:
             with without_python_dispatch():  # no mode needs to see this detach

@@ -47,6 +47,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from . import _record
 from ._block import BlockRecord, Input, Var, moved
@@ -55,7 +56,15 @@ from ._plan import Derived, Ref, closure, run_plan
 from ._registry import _LIVE, Entry, tensor_of, value_in_memory
 from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback, sequence_nr
 
-__all__ = ["Handle", "ViewSpec", "ReplayState", "materialize", "add_freed_storage_handler", "inplace_error"]
+__all__ = [
+    "Handle",
+    "ViewSpec",
+    "ReplayState",
+    "materialize",
+    "add_freed_storage_handler",
+    "inplace_error",
+    "may_be_new_output",
+]
 
 Tensor = torch.Tensor
 
@@ -140,15 +149,26 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
     _freed_storage_handlers.append(fn)
 
 
+def may_be_new_output(t: Tensor) -> bool:
+    """Whether ``t``, being saved, may be an output of the autograd node saving it.
+    Autograd keeps a saved input itself (so it sees a later ``.data = ...``) and a
+    saved output as a shallow copy (holding it would be a reference cycle through
+    its own node); whoever keeps a saved tensor for autograd does the same, and
+    takes a shallow copy whenever this says "may be". Exact for leaves (never an
+    output) and for built-in ops (each node's saves are packed after the node is
+    made and before the next one is); a custom Function's saves are packed after
+    its forward, which may have made other nodes, so any custom Function output
+    may be one."""
+    g = t.grad_fn
+    if g is None:
+        return False
+    return g._sequence_nr() == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
+
+
 def _debug_check(t: Tensor) -> Tensor:
     """What ``debug=True`` compares a handle's value with at unpack: what autograd
-    itself would hand back. Autograd keeps a saved input itself (so it sees a later
-    `.data = ...`) and a saved output as a shallow copy; so does this (holding an
-    output itself would be a reference cycle through its own node)."""
-    g = t.grad_fn
-    if g is not None and g._sequence_nr() == sequence_nr() - 1:  # the node being built
-        return t.detach()
-    return t
+    itself would hand back (see :func:`may_be_new_output`)."""
+    return t.detach() if may_be_new_output(t) else t
 
 
 def materialize(h: Handle) -> Tensor:

@@ -539,6 +539,57 @@ def test_outside_tensor_read_by_block_written_after(route, debug):
     check(_outside_read_program(route), debug=debug)
 
 
+@pytest.mark.parametrize("saved", ["leaf", "nonleaf", "nograd"])
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_tensor_saved_outside_any_block_then_data_assigned(saved, debug):
+    """While a block tensor lives, the scope's hooks see every save, also of tensors no
+    block made. Autograd keeps such a saved input itself, so plain backward sees a
+    `.data = ...` made after the save; the scope must hand back the same."""
+
+    def program(scope):
+        w, v = leaf(4, 4), leaf(4, 4)
+        with scope():
+            h = v * 2.0  # alive until backward: the hooks stay on the stack
+        u = {"leaf": w, "nonleaf": w * 1.5, "nograd": torch.randn(4, 4)}[saved]
+        y = (u * w).sin() if saved == "nograd" else u.sin()  # saves u (or u * w)
+        z = h * h
+        _write_data_assign(u)
+        weighted_sum(y + z).backward()
+        return [w.grad, v.grad]
+
+    check(program, must_work=True, debug=debug)
+
+
+class _ExpSavesOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():  # makes autograd nodes during forward
+            (x.detach().requires_grad_() * 2.0).sum()
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+def test_custom_function_saving_its_output_under_the_hooks_leaks_nothing():
+    """A custom Function's output saved by the Function itself, while the scope's hooks
+    are on the stack, is kept as a detached alias (as autograd keeps an output): holding
+    the output itself would be a reference cycle through its own node."""
+    w = leaf(4)
+    with recompute_scope():
+        h = w * 2.0
+    y = _ExpSavesOutput.apply(w)
+    probe = weakref.ref(y)
+    (y * h).sum().backward()
+    del y
+    assert probe() is None  # without gc.collect()
+    assert torch.equal(w.grad, w.exp() * (w * 2.0) + w.exp() * 2.0)
+
+
 @pytest.mark.parametrize(("route", "debug"), _cases([r for r in ROUTES if r != "set_"], {"data_assign"}))
 def test_parameter_read_and_saved_in_block_written_after(route, debug):
     """w is read by the block and saved by mul inside it (for x's gradient): plain
