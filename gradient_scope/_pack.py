@@ -52,9 +52,11 @@ class Stored:
 
     __slots__ = ("t", "version")
 
-    def __init__(self, t: Tensor) -> None:
+    def __init__(self, t: Tensor, made_by_block: bool) -> None:
         self.version = t._version
-        if not t.requires_grad or not may_be_new_output(t):
+        # A block tensor (or a view of one) is never kept itself: its liveness is what
+        # tells the block which of its tensors are still in memory (P3, P8).
+        if not t.requires_grad or not (made_by_block or may_be_new_output(t)):
             self.t = t
         elif type(t) is Tensor or type(t) is torch.nn.Parameter:
             with without_python_dispatch():  # no mode needs to see this detach
@@ -88,11 +90,13 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
     tensors of blocks with serial >= ``serial`` are ours (innermost wins)."""
     entry = lookup(t)
     view = None
+    made_by_block = entry is not None
     if entry is None:
         base = t._base
         if base is not None:
             entry = lookup(base)
             if entry is not None:
+                made_by_block = True
                 view = ViewSpec.of(t, base)
                 if view is None:
                     entry = None
@@ -105,7 +109,7 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
             return h
     if below is not None:
         return Foreign(below[1], below[0](t))
-    return Stored(t)
+    return Stored(t, made_by_block)
 
 
 def unpack(packed: Any) -> Tensor:

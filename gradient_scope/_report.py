@@ -387,7 +387,8 @@ class SavedTensorsReport:
     def _pack(self, t: torch.Tensor) -> Any:
         below = self._below
         if below is None:
-            packed: Any = Stored(t)
+            # No pair of ours below: no block tensor of this thread is alive (I1).
+            packed: Any = Stored(t, made_by_block=False)
             recomputable = False
         else:
             self._handled = 0
