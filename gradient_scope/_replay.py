@@ -117,10 +117,17 @@ class ViewSpec:
 class Handle:
     """Stands in for a block tensor that autograd saved."""
 
-    __slots__ = ("state", "entry", "var", "version", "view", "check", "__weakref__")
+    __slots__ = ("state", "entry", "var", "version", "view", "check", "itself", "__weakref__")
 
     def __init__(
-        self, state: ReplayState, entry: Entry, var: Var, version: int, view: ViewSpec | None, check: Tensor | None
+        self,
+        state: ReplayState,
+        entry: Entry,
+        var: Var,
+        version: int,
+        view: ViewSpec | None,
+        check: Tensor | None,
+        itself: bool,
     ) -> None:
         self.state = state
         self.entry = entry  # the registry entry of the tensor (or of the view's base)
@@ -128,6 +135,10 @@ class Handle:
         self.version = version  # of the tensor when autograd saved it
         self.view = view
         self.check = check  # debug=True: an alias of the saved tensor, compared at unpack
+        # Whether autograd would keep the tensor itself (a saved input, not a view of a
+        # block tensor): then it sees a storage swap after the save (`.data = ...`);
+        # otherwise it keeps the data of the save.
+        self.itself = itself
 
     def unpack(self) -> Tensor:
         return materialize(self)
@@ -178,6 +189,8 @@ def materialize(h: Handle) -> Tensor:
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
     t = value_in_memory(h.entry, h.version) if h.check is None else None
+    if t is not None and not h.itself and moved(h.var, t):
+        t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
         h.state.served(h)
         with _record.paused():
@@ -307,7 +320,7 @@ class ReplayState:
         if v != (writes[-1][1] if writes else var.version):
             return None  # changed by something the block did not record (e.g. after it)
         check = _debug_check(t) if var.frame.debug and var not in record.scratch else None
-        h = Handle(self, entry, var, v, view, check)
+        h = Handle(self, entry, var, v, view, check, view is None and not may_be_new_output(t))
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
             self.handles += 1

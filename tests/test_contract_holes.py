@@ -560,6 +560,33 @@ def test_tensor_saved_outside_any_block_then_data_assigned(saved, debug):
     check(program, must_work=True, debug=debug)
 
 
+@pytest.mark.parametrize("saved", ["output_in_block", "input_after", "view_after", "lstm_input_after"])
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_block_tensor_given_another_storage_after_autograd_saved_it(saved, debug):
+    """`h.data = ...` after autograd saved h (h alive at backward): autograd hands back
+    the new data for a saved input and the data of the save for a saved output (a
+    shallow copy) or a saved view (the view keeps the old storage)."""
+
+    def program(scope):
+        w = leaf(4, 4)
+        lstm = nn.LSTM(4, 4)
+        with scope():
+            h = torch.sigmoid(w)  # saves its output h
+        if saved == "output_in_block":
+            y = h * 2.0
+        elif saved == "input_after":
+            y = h * w  # saves h as an input
+        elif saved == "view_after":
+            y = h.t() * w  # saves a view of h
+        else:
+            y = lstm(h)[0]  # saves h.unsqueeze(1), a view
+        _write_data_assign(h)
+        weighted_sum(y).backward()
+        return [w.grad, *(p.grad for p in lstm.parameters())]
+
+    check(program, must_work=not debug, debug=debug)
+
+
 class _ExpSavesOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
