@@ -147,25 +147,28 @@ def closure(
     not rebuilt.
     """
     need = bytearray(bound)
-
-    def mark(r: Ref, before: int) -> None:
-        group = r.root
-        if type(r) is Var and (group.writes or available is None or not available(r)):
-            need[r.op] = 1
-        for j, _ in group.writes:
-            if j >= before:
-                break
-            need[j] = 1
-
     need[var.op] = 1
     for j, _ in var.root.writes:
         if j >= bound:
             break
         need[j] = 1
+    # Hot loop (every replay of a record's first request): the group root is read
+    # from ``base`` inline rather than through the ``root`` property.
     for i in range(bound - 1, -1, -1):
-        if need[i]:
-            for r in refs[i]:
-                mark(r, i)
+        if not need[i]:
+            continue
+        for r in refs[i]:
+            if type(r) is Var:
+                base = r.base
+                writes = r.writes if base is None else base.writes
+                if writes or available is None or not available(r):
+                    need[r.op] = 1
+            else:  # an Input: its own root
+                writes = r.writes
+            for j, _ in writes:
+                if j >= i:
+                    break
+                need[j] = 1
     return [i for i in range(bound) if need[i]]
 
 
@@ -178,7 +181,7 @@ class Derived:
     def __init__(self) -> None:
         self.refs: list[tuple[Ref, ...]] | None = None
         self.code: list[Instr | None] | None = None
-        self.closures: dict[Var, frozenset[int]] = {}
+        self.closures: dict[Var, tuple[tuple[int, Var], ...]] = {}
 
     def op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
         if record.open:
@@ -201,14 +204,23 @@ class Derived:
                 code[i] = compile_op(ops[i])
         return code
 
-    def closure_of(self, record: BlockRecord, refs: Sequence[tuple[Ref, ...]], var: Var) -> Collection[int]:
-        """``closure`` of ``var`` at the end of the record, memoised once closed."""
-        if record.open:
-            return closure(refs, var, len(record.ops), None)
-        ops = self.closures.get(var)
-        if ops is None:
-            ops = self.closures[var] = frozenset(closure(refs, var, len(record.ops), None))
-        return ops
+    def reads_of(self, record: BlockRecord, refs: Sequence[tuple[Ref, ...]], var: Var) -> Sequence[tuple[int, Var]]:
+        """``(i, r)`` for each op ``i`` of the ``closure`` of ``var`` (at the end of
+        the record) and each Var ``r`` it reads whose group is never written to:
+        the values a replay of ``var`` may read. Memoised once the record is closed."""
+        if not record.open:
+            pairs = self.closures.get(var)
+            if pairs is not None:
+                return pairs
+        pairs = tuple(
+            (i, r)
+            for i in closure(refs, var, len(record.ops), None)
+            for r in refs[i]
+            if type(r) is Var and not r.root.writes
+        )
+        if not record.open:
+            self.closures[var] = pairs
+        return pairs
 
 
 def run_plan(

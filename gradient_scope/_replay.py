@@ -278,12 +278,9 @@ def _wanted(
         if n2.op in plan:
             targets.setdefault(n2, []).append(h2)
             continue
-        for i in derived.closure_of(record, refs, n2):
-            if i in plan:
-                continue
-            for r in refs[i]:
-                if isinstance(r, Var) and r.op in plan and not r.root.writes:
-                    frontier.setdefault(r, []).append(h2)
+        for i, r in derived.reads_of(record, refs, n2):
+            if r.op in plan and i not in plan:
+                frontier.setdefault(r, []).append(h2)
     return targets, frontier
 
 
