@@ -212,12 +212,12 @@ class Derived:
             pairs = self.closures.get(var)
             if pairs is not None:
                 return pairs
-        pairs = tuple(
-            (i, r)
-            for i in closure(refs, var, len(record.ops), None)
-            for r in refs[i]
-            if type(r) is Var and not r.root.writes
-        )
+        found: list[tuple[int, Var]] = []
+        for i in closure(refs, var, len(record.ops), None):
+            for r in refs[i]:
+                if type(r) is Var and not (r.writes if r.base is None else r.base.writes):
+                    found.append((i, r))
+        pairs = tuple(found)
         if not record.open:
             self.closures[var] = pairs
         return pairs
