@@ -10,8 +10,8 @@ S2. Anything else goes to the pair below ours, exactly as without the scope.
     (``saved is t`` when it does not require grad, as without hooks; a later
     ``.data = ...`` is seen), but an output of the node that saves it, or what
     may be one, as a detached alias (holding it would make a reference cycle
-    through the graph that the garbage collector cannot free). Its version is checked at unpack:
-    hooks switch PyTorch's own in-place check off.
+    through the graph that the garbage collector cannot free). Its version is
+    checked at unpack: hooks switch PyTorch's own in-place check off.
 S3. Packing never reads the data of the tensor it packs: some kernels save an
     argument before they write it.
 """

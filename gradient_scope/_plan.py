@@ -174,14 +174,15 @@ def closure(
 
 class Derived:
     """What replay derives from a block's record: each op's refs and compiled form,
-    and closures. Kept once the record is closed (its op list no longer changes)."""
+    and what replaying each Var may read. Kept once the record is closed (its op
+    list no longer changes)."""
 
-    __slots__ = ("refs", "code", "closures")
+    __slots__ = ("refs", "code", "reads")
 
     def __init__(self) -> None:
         self.refs: list[tuple[Ref, ...]] | None = None
         self.code: list[Instr | None] | None = None
-        self.closures: dict[Var, tuple[tuple[int, Var], ...]] = {}
+        self.reads: dict[Var, tuple[tuple[int, Var], ...]] = {}
 
     def op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
         if record.open:
@@ -209,17 +210,17 @@ class Derived:
         the record) and each Var ``r`` it reads whose group is never written to:
         the values a replay of ``var`` may read. Memoised once the record is closed."""
         if not record.open:
-            pairs = self.closures.get(var)
+            pairs = self.reads.get(var)
             if pairs is not None:
                 return pairs
         found: list[tuple[int, Var]] = []
         for i in closure(refs, var, len(record.ops), None):
             for r in refs[i]:
-                if type(r) is Var and not (r.writes if r.base is None else r.base.writes):
+                if type(r) is Var and not r.root.writes:
                     found.append((i, r))
         pairs = tuple(found)
         if not record.open:
-            self.closures[var] = pairs
+            self.reads[var] = pairs
         return pairs
 
 

@@ -176,12 +176,6 @@ def may_be_new_output(t: Tensor) -> bool:
     return g._sequence_nr() == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
 
 
-def _debug_check(t: Tensor) -> Tensor:
-    """What ``debug=True`` compares a handle's value with at unpack: what autograd
-    itself would hand back (see :func:`may_be_new_output`)."""
-    return t.detach() if may_be_new_output(t) else t
-
-
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
     ``debug=True`` it is always replayed, then compared with the saved tensor."""
@@ -286,7 +280,8 @@ def _wanted(
 
 class ReplayState:
     """Replay bookkeeping of one block: its pending handles, the current pass's
-    cache, memoised closures. Only this class writes them, under ``lock``."""
+    cache, what replay derives from its record. Only this class writes them, under
+    ``lock``."""
 
     __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "__weakref__")
 
@@ -316,8 +311,12 @@ class ReplayState:
         writes = root.writes
         if v != (writes[-1][1] if writes else var.version):
             return None  # changed by something the block did not record (e.g. after it)
-        check = _debug_check(t) if var.frame.debug and var not in record.scratch else None
-        h = Handle(self, entry, var, v, view, check, view is None and not may_be_new_output(t))
+        new_output = may_be_new_output(t)
+        # debug=True compares the value at unpack with what autograd itself would hand back.
+        check = None
+        if var.frame.debug and var not in record.scratch:
+            check = t.detach() if new_output else t
+        h = Handle(self, entry, var, v, view, check, view is None and not new_output)
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
             self.handles += 1
