@@ -10,6 +10,8 @@
 * ``clean_stacks``: returns a check that the hook stack and dispatch stack are back to
   what they were when the test started (called by the test after dropping its tensors,
   without gc).
+* ``patchable``: the PyTorch functions the library may patch while a thread has its
+  hook pair installed, as they are now (compare before and after).
 """
 
 import gc
@@ -61,7 +63,7 @@ def repair_hook_stack():
         pytest.fail(f"saved-tensor hook stack not restored after the test; popped {left}")
 
 
-def _patchable():
+def patchable():
     return (
         torch.autograd.graph.saved_tensors_hooks.__enter__,
         torch.autograd.graph.saved_tensors_hooks.__exit__,
@@ -74,15 +76,15 @@ def _patchable():
 
 @pytest.fixture
 def clean_stacks():
-    hooks0, depth0, patch0 = top_hooks(), dispatch_depth(), _patchable()
+    hooks0, depth0, patch0 = top_hooks(), dispatch_depth(), patchable()
 
     def check():
         assert top_hooks() == hooks0, f"saved-tensor hooks left behind: {top_hooks()}"
         assert dispatch_depth() == depth0, "dispatch mode left on the stack"
-        assert _patchable() == patch0, (
+        assert patchable() == patch0, (
             "PyTorch functions left patched (saved_tensors_hooks.__enter__/__exit__, "
             "autograd.backward/grad, _push/_pop_saved_tensors_default_hooks): "
-            f"{_patchable()} != {patch0}"
+            f"{patchable()} != {patch0}"
         )
 
     return check

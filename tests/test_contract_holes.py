@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from gradient_scope import RecomputeError, recompute, recompute_scope
 
 from _interop import clean_stacks  # noqa: F401
+from _writes import WRITES
 from conftest import PlainScopes, Scopes, assert_same, dispatch_depth, stat, top_hooks
 
 Program = Callable[[Any], list]
@@ -465,36 +466,8 @@ def test_conj_view_with_debug_and_retain_graph():
 # 3. writes that bypass the version counter
 
 
-def _write_data_inplace(t: torch.Tensor) -> None:
-    t.data.mul_(3.0)
-
-
-def _write_data_assign(t: torch.Tensor) -> None:
-    t.data = t.data * 3.0
-
-
-def _write_numpy(t: torch.Tensor) -> None:
-    arr = t.detach().numpy()
-    arr *= 3.0
-
-
-def _write_storage(t: torch.Tensor) -> None:
-    new = (t.detach() * 3.0).contiguous()
-    t.untyped_storage().copy_(new.untyped_storage())
-
-
-def _write_set(t: torch.Tensor) -> None:
-    with torch.no_grad():
-        t.set_((t.detach() * 3.0).clone())
-
-
-ROUTES = {
-    "data_inplace": _write_data_inplace,
-    "data_assign": _write_data_assign,
-    "numpy": _write_numpy,
-    "untyped_storage": _write_storage,
-    "set_": _write_set,
-}
+# Routes that bypass the version counter, plus set_ (which bumps it).
+ROUTES = {r: WRITES[r] for r in ("data_inplace", "data_assign", "numpy", "untyped_storage", "set_")}
 
 
 def _cases(routes, detectable):
@@ -553,7 +526,7 @@ def test_tensor_saved_outside_any_block_then_data_assigned(saved, debug):
         u = {"leaf": w, "nonleaf": w * 1.5, "nograd": torch.randn(4, 4)}[saved]
         y = (u * w).sin() if saved == "nograd" else u.sin()  # saves u (or u * w)
         z = h * h
-        _write_data_assign(u)
+        ROUTES["data_assign"](u)
         weighted_sum(y + z).backward()
         return [w.grad, v.grad]
 
@@ -580,7 +553,7 @@ def test_block_tensor_given_another_storage_after_autograd_saved_it(saved, debug
             y = h.t() * w  # saves a view of h
         else:
             y = lstm(h)[0]  # saves h.unsqueeze(1), a view
-        _write_data_assign(h)
+        ROUTES["data_assign"](h)
         weighted_sum(y).backward()
         return [w.grad, *(p.grad for p in lstm.parameters())]
 

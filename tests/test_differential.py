@@ -58,6 +58,8 @@ from hypothesis import strategies as st
 
 from gradient_scope import RecomputeError, recompute_scope
 
+from _interop import patchable
+from _writes import WRITES
 from conftest import dispatch_depth, top_hooks
 
 N_EXAMPLES = int(os.environ.get("GS_DIFF_EXAMPLES", os.environ.get("GS_HYPOTHESIS_EXAMPLES", "200")))
@@ -503,42 +505,6 @@ OP_NAMES = (
 # writes between forward and backward
 
 
-def _w_inplace(t):
-    with torch.no_grad():
-        t.mul_(3.0)
-
-
-def _w_data_inplace(t):
-    t.data.mul_(3.0)
-
-
-def _w_data_assign(t):
-    t.data = t.data * 3.0
-
-
-def _w_numpy(t):
-    arr = t.detach().numpy()
-    arr *= 3.0
-
-
-def _w_storage(t):
-    new = (t.detach() * 3.0).contiguous()
-    t.untyped_storage().copy_(new.untyped_storage())
-
-
-def _w_set(t):
-    with torch.no_grad():
-        t.set_((t.detach() * 3.0).clone())
-
-
-WRITES = {
-    "inplace": _w_inplace,
-    "set_": _w_set,
-    "data_assign": _w_data_assign,
-    "data_inplace": _w_data_inplace,
-    "numpy": _w_numpy,
-    "untyped_storage": _w_storage,
-}
 # Seen by a check without reading values (version counter, tensor identity); the rest
 # only by debug=True (README limitation), so only in programs whose scopes all debug.
 VISIBLE_WRITES = ("inplace", "set_", "data_assign")
@@ -690,22 +656,11 @@ def _same(a: Any, e: Any) -> bool:
     return a is None and e is None if e is None else a == e
 
 
-def _patched() -> tuple:
-    return (
-        torch.autograd.graph.saved_tensors_hooks.__enter__,
-        torch.autograd.graph.saved_tensors_hooks.__exit__,
-        torch.autograd.backward,
-        torch.autograd.grad,
-        torch._C._autograd._push_saved_tensors_default_hooks,
-        torch._C._autograd._pop_saved_tensors_default_hooks,
-    )
-
-
 def check_program(program: dict, generated: bool = False) -> str:
     """Plain vs scoped: "equal" or "RecomputeError"; raises AssertionError otherwise.
     A generated program whose plain run raises is rejected (hypothesis); a fixed one is
     a bug of the test."""
-    state0 = (top_hooks(), dispatch_depth(), _patched(), torch.is_grad_enabled())
+    state0 = (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled())
     made: list[weakref.ref] = []
     try:
         expected = run_program(program, scoped=False, made=made)
@@ -753,10 +708,10 @@ def check_program(program: dict, generated: bool = False) -> str:
         # its thread-local ready queue) until the next backward on this thread: their
         # handles, hence the hooks, stay until then (README, Limitations).
         torch.ones((), requires_grad=True).backward()
-    left = (top_hooks(), dispatch_depth(), _patched(), torch.is_grad_enabled())
+    left = (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled())
     if left != state0 and failure is None:
         gc.collect()  # an exception's frames may hold block tensors in a cycle
-        if (top_hooks(), dispatch_depth(), _patched(), torch.is_grad_enabled()) != state0:
+        if (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled()) != state0:
             failure = "global state left changed (hooks, dispatch modes, patches or grad mode)"
         elif outcome == "equal":
             failure = "saved-tensor hooks / patches outlived every block tensor (freed only by gc)"
