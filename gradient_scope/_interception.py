@@ -215,11 +215,6 @@ _PATCHES = (
 )
 
 
-def patches_installed() -> bool:
-    """Whether our patches are in place (for tests)."""
-    return any(p.ours is not None for p in _PATCHES)
-
-
 # ---------------------------------------------------------------- lifetime (I1, I4)
 
 
