@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _record, _registry, _replay
-from ._block import BlockRecord, Var
+from . import _recorder, _registry, _replay
 from ._errors import RecomputeError
+from ._record import BlockRecord, Var
 from ._subclass import data_tensors, storage_freed
 from ._torch_compat import current_graph_task, queue_engine_callback
 
@@ -226,4 +226,4 @@ def _on_freed(t: torch.Tensor) -> bool:
 
 
 _replay.add_freed_storage_handler(_on_freed)
-_record.add_close_listener(release_buffers)
+_recorder.add_close_listener(release_buffers)

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import _pack, _record, _registry
+from . import _pack, _recorder, _registry
 from ._torch_compat import (
     HookPair,
     current_graph_task,
@@ -241,7 +241,7 @@ def ensure_on_top(serial: int) -> None:
 
 
 def _needed() -> bool:
-    return _record.has_open_block() or _registry.ledger().live > 0
+    return _recorder.has_open_block() or _registry.ledger().live > 0
 
 
 def sweep() -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _record
+from . import _recorder
 from ._registry import lookup
 from ._replay import ViewSpec, inplace_error, may_be_new_output
 from ._torch_compat import HookPair, without_python_dispatch
@@ -62,7 +62,7 @@ class Stored:
             with without_python_dispatch():  # no mode needs to see this detach
                 self.t = t.detach()
         else:
-            with _record.paused():  # a subclass must see its detach; no block records it
+            with _recorder.paused():  # a subclass must see its detach; no block records it
                 self.t = t.detach()
 
     def unpack(self) -> Tensor:
@@ -101,7 +101,7 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
                 if view is None:
                     entry = None
     if entry is not None and (below is None or entry.frame.serial >= serial):
-        _record.settle()
+        _recorder.settle()
         h = entry.frame.owner.handle(entry, t, view)  # S1
         if h is not None:
             for fn in _listeners:

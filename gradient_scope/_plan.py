@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from . import _rng
-from ._block import BlockRecord, Input, MetaArg, Var, moved
 from ._errors import RecomputeError
+from ._record import BlockRecord, Input, MetaArg, Var, moved
 from ._registry import _LIVE
 from ._subclass import data_tensor, storage_freed
 from ._torch_compat import without_autocast

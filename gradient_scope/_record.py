@@ -1,218 +1,217 @@
-"""Recording: while a block is open in a thread, a TorchDispatchMode records its ops.
+"""The record of a block: the types a recording is made of and replay reads.
 
-The recorder exists only while a block is open in a thread. It hands each op
-to the innermost open block's :class:`~gradient_scope._recording.Recording`,
-which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
-block's ``BlockRecord`` (see ``_block``); the op list never changes once the
-block is closed. The rules a recording keeps (R1..R6) are in ``_recording``.
+Only the recorder (``_recorder``) creates and writes these objects; replay and
+the pack hook read them. In a record:
+
+* a tensor the block made is a :class:`Var` (metadata only, never the tensor);
+* a tensor from outside is an :class:`Input`, a history-free alias that keeps
+  its value alive with the version it was read at;
+* an argument of which the op reads only metadata (``empty_like(x)``) is a
+  :class:`MetaArg`;
+* an in-place write is an entry ``(op index, version after)`` in the
+  ``writes`` of the storage group it writes to (a fresh tensor and its views
+  form one group; its root is the fresh tensor's Var, or an Input); ``None``
+  as the version marks a write that cannot be replayed (a collective's).
 """
 
 from __future__ import annotations
 
-import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import _registry
-from ._block import BlockRecord, Frame, Var, new_var
-from ._ops import _FACTS, facts
-from ._recording import NO_KWARGS, Recording, Unrecordable, run_unrecorded
-from ._registry import _LIVE, register
-from ._torch_compat import (
-    OpOverload,
-    TorchDispatchMode,
-    current_dispatch_mode,
-    current_graph_task,
-    dynamo_disabled,
-    in_compiled_code,
-    remove_mode_from_under,
-    skip_dynamo,
-)
+from ._registry import Entry, Ledger, on_death
+from ._stats import ScopeStats
+from ._torch_compat import alias_in_dispatch
 
 __all__ = [
-    "Recorder",
-    "add_close_listener",
-    "open_block",
-    "innermost",
-    "close_block",
-    "settle",
-    "has_open_block",
-    "paused",
+    "Var",
+    "Input",
+    "MetaArg",
+    "Frame",
+    "BlockRecord",
+    "OpRecord",
+    "Group",
+    "Ref",
+    "Write",
+    "new_var",
+    "data_ptr",
+    "moved",
 ]
 
 Tensor = torch.Tensor
-_FACTS_GET = _FACTS.get
-_LIVE_GET = _LIVE.get
-_grad_enabled = torch.is_grad_enabled
+Write = tuple[int, int | None]  # (op index, version after; None: not replayable)
 
 
-def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-    """``Recorder.__torch_dispatch__``: record ``func`` into the innermost open block."""
-    blocks = self.blocks
-    if self.paused or not blocks or type(func) is not OpOverload:
-        return func(*args, **(kwargs or {}))
-    block = blocks[-1]
-    if block.task != current_graph_task():  # R3
-        return func(*args, **(kwargs or {}))
-    if not _grad_enabled() and in_compiled_code():
-        return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
-    if block.unsettled:
-        block.settle()
-    f = _FACTS_GET(func)
-    if f is None:
-        f = facts(func)
-    if kwargs or not f.fast or not block.frame.plain:
-        return block.record(func, f, args, kwargs or NO_KWARGS)
-    # The hot path (most ops): positional arguments, one fresh output.
-    owner = block.owner
-    rargs: list[Any] = []
-    for a in args:  # Recording.refs, inlined
-        if isinstance(a, Tensor):
-            e = _LIVE_GET(id(a))
-            if e is not None and e.frame.owner is owner and e() is a:
-                rargs.append(e)
-            else:
-                try:
-                    rargs.append(block.inputs.of(a, e))
-                except Unrecordable:
-                    return run_unrecorded(block, func, f, args, NO_KWARGS)
-        elif type(a) is list or type(a) is tuple:
-            return block.record(func, f, args, NO_KWARGS)
-        else:
-            rargs.append(a)
-    out = func._op(*args)
-    ops = block.record_.ops
-    outs: tuple[Var, ...] = ()
-    if isinstance(out, Tensor) and (type(out) is Tensor or not out.is_nested):  # R8
-        for a in args:
-            if a is out:
-                break
-        else:
-            var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
-            register(var)
-            outs = (var,)
-    ops.append((func, rargs, NO_KWARGS, None, outs))
-    return out
+class Var(Entry):
+    """A tensor the block made: where it came from and what it looked like. It is
+    also the tensor's registry entry (a weak reference to it): one object per op.
+    Made by :func:`new_var`."""
+
+    __slots__ = ("op", "size", "dtype", "device", "version", "ptr", "base", "writes")
+
+    op: int  # index of the op that made it
+    size: Any  # torch.Size; None for a jagged nested tensor (a fresh symbolic size each time)
+    dtype: torch.dtype
+    device: torch.device
+    version: int
+    ptr: int | None  # where its data is: `.data = ...` or set_() later moves it
+    # The group's root, when not this Var itself (a Var must not refer to itself: a
+    # reference cycle would leave its block to the garbage collector).
+    base: Group | None
+    writes: list[Write] | tuple[()]  # on roots: the block's writes to the group
+
+    @property
+    def root(self) -> Group:
+        """The root of this Var's storage group (itself for a fresh tensor)."""
+        return self if self.base is None else self.base
+
+    def describe(self) -> str:
+        shape = "nested" if self.size is None else str(list(self.size))
+        return f"tensor of shape {shape} ({self.dtype}, {self.device})"
 
 
-class Recorder(TorchDispatchMode):
-    """One per thread while a block is open there; records into the innermost block."""
+def new_var(t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> Var:
+    """The Var of ``t``, made by op ``op`` (registered separately: ``_registry.register``)."""
+    v = Var(t, on_death)
+    v.key = id(t)
+    v.frame = frame
+    v.aliases = None
+    v.op = op
+    v.size = t.shape if type(t) is Tensor or not t.is_nested else None
+    v.dtype = t.dtype
+    v.device = t.device
+    v.version = version
+    if type(t) is Tensor:
+        try:
+            v.ptr = t.data_ptr()
+        except RuntimeError:  # no storage (sparse)
+            v.ptr = None
+    else:
+        v.ptr = None
+    v.base = root
+    v.writes = ()
+    return v
 
-    # Higher-order operators (flex_attention, ...) reach __torch_dispatch__ and
-    # run as they are (R2).
-    supports_higher_order_operators = True
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # Dynamo compiles functions called inside a block (it skips frames under
-        # modes that say False); the compiled artifacts' ops pass through (R7).
-        return True
+def data_ptr(t: Tensor) -> int | None:
+    """``t.data_ptr()`` of a plain strided tensor; None where there is none (sparse,
+    subclasses)."""
+    if type(t) is not Tensor:
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+def moved(var: Var, t: Tensor) -> bool:
+    """Whether ``t`` (the tensor ``var`` stands for) no longer holds the data the
+    block made: its storage was swapped (`.data = ...`, ``set_()``)."""
+    return var.ptr is not None and data_ptr(t) != var.ptr
+
+
+class Input:
+    """A tensor from outside the block, kept alive with the version it was read at.
+
+    ``tensor`` is a detached alias (same storage and version counter, no history:
+    holding the tensor itself could close a reference cycle through the autograd
+    graph, which the garbage collector cannot see). ``snapshot``: ``tensor`` is a
+    private copy (R1, or an inference tensor, which has no version counter).
+    """
+
+    __slots__ = ("tensor", "source", "version", "snapshot", "writes")
+
+    def __init__(self, t: Tensor) -> None:
+        self.tensor = alias_in_dispatch(t)
+        self.source = weakref.ref(t)
+        self.snapshot = False
+        self.writes: list[Write] | tuple[()] = ()
+        self.version: int | None
+        try:
+            self.version = t._version
+        except RuntimeError:  # an inference tensor: copy its value now
+            self.version = None
+            self.take_snapshot()
+
+    def take_snapshot(self) -> None:
+        self.tensor = self.tensor.detach().clone(memory_format=torch.preserve_format)
+        self.snapshot = True
+
+    @property
+    def root(self) -> Input:
+        return self
+
+
+Group = Var | Input
+Ref = Var | Input
+
+
+class MetaArg:
+    """An argument of which the op reads only metadata: replay passes a fresh
+    uninitialised tensor like it instead of the tensor."""
+
+    __slots__ = ("size", "stride", "dtype", "device")
+
+    def __init__(self, t: Tensor) -> None:
+        self.size, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+
+    def empty(self) -> Tensor:
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+
+
+#: ``(func, args, kwargs, rng, outs)``: args hold Refs, MetaArgs and plain values
+#: (lists of them for ``Tensor[]``); ``outs`` one Var or None per output.
+OpRecord = tuple[Any, list[Any], dict[str, Any], Any, tuple[Var | None, ...]]
+
+
+class Frame:
+    """The options and counters of one scope recording into a block (nested
+    scopes record into the enclosing block, each with its own frame)."""
+
+    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "owner", "ledger", "_kept")
+
+    def __init__(
+        self, preserve_rng: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats, serial: int
+    ) -> None:
+        self.preserve_rng = preserve_rng
+        self.save = save
+        self.debug = debug
+        self.stats = stats
+        self.serial = serial
+        self.plain = save is None and not debug  # the hot path applies
+        # Set when the frame starts recording: the block's replay state (its tensors'
+        # registry entries reach it here) and the recording thread's ledger.
+        self.owner: Any = None
+        self.ledger: Ledger | None = None
+        self._kept: dict[Any, bool] = {}
+
+    def keeps(self, func: Any) -> bool:
+        """Whether the ``save=`` policy stores ``func``'s outputs (asked once per op)."""
+        kept = self._kept.get(func)
+        if kept is None:
+            kept = self._kept[func] = bool(self.save(func))  # type: ignore[misc]
+        return kept
+
+
+class BlockRecord:
+    """The record of one block. ``ops`` only grows while ``open``; then never changes."""
+
+    __slots__ = ("ops", "open", "debug_values", "scratch", "loose", "escaped", "__weakref__")
 
     def __init__(self) -> None:
-        super().__init__()
-        self.blocks: list[Recording] = []  # open blocks of this thread, innermost last
-        self.paused = 0  # > 0: ops pass through (replay, the library's own ops)
+        self.ops: list[OpRecord] = []
+        self.open = True
+        self.debug_values: dict[Var, Tensor] = {}  # debug=True: what forward computed
+        self.scratch: set[Var] = set()  # debug=True: kernel scratch outputs, never compared
+        # Storage groups with members that have version counters of their own
+        # (``unsafe_chunk`` pieces): root -> those members.
+        self.loose: dict[Var, list[Var]] = {}
+        # At block exit, for each such group: its members alive then, with their
+        # versions; a write through one of them later changes the others unseen.
+        self.escaped: dict[Var, dict[Var, int]] = {}
 
-
-def _install_dispatch() -> None:
-    """Give Recorder its ``__torch_dispatch__`` (when the first block opens: telling
-    dynamo imports it, which takes seconds). Assigned after the class statement so
-    that TorchDispatchMode.__init_subclass__ does not wrap it in
-    torch._disable_dynamo (two Python frames per op): dynamo is told to skip the
-    function, and everything it calls, by its code object instead."""
-    if skip_dynamo(_record_op.__code__):
-        Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
-    else:  # a torch without per-code strategies: the wrapped form
-        Recorder.__torch_dispatch__ = dynamo_disabled(_record_op)  # type: ignore[method-assign]
-
-
-# ---------------------------------------------------------------- per thread
-
-_tls = threading.local()
-
-
-_close_listeners: list[Callable[[BlockRecord], None]] = []
-
-
-def add_close_listener(fn: Callable[[BlockRecord], None]) -> None:
-    """Call ``fn(record)`` when a block closes normally (an adapter's clean-up)."""
-    _close_listeners.append(fn)
-
-
-def open_block(record: BlockRecord, owner: Any, frame: Frame) -> Recording:
-    """Start recording ``record`` in this thread (entering the recorder if needed)."""
-    r: Recorder | None = getattr(_tls, "recorder", None)
-    if r is None:
-        if "__torch_dispatch__" not in Recorder.__dict__:
-            _install_dispatch()
-        r = Recorder()
-        r.__enter__()
-        _tls.recorder = r
-    block = Recording(record, owner, frame, _registry.ledger())
-    r.blocks.append(block)
-    return block
-
-
-def innermost() -> Recording | None:
-    """The innermost open block of this thread, if it was opened in the current
-    backward pass (or outside backward, like now)."""
-    r: Recorder | None = getattr(_tls, "recorder", None)
-    if r is None or not r.blocks:
-        return None
-    block = r.blocks[-1]
-    return block if block.task == current_graph_task() else None
-
-
-def close_block(block: Recording, aborted: bool) -> bool:
-    """Stop recording ``block`` (the innermost). When it was the thread's last
-    open block, exit the recorder; returns False if another TorchDispatchMode
-    had been entered above it (the recorder is taken out from under it)."""
-    r: Recorder = _tls.recorder
-    if not r.blocks or r.blocks[-1] is not block:
-        raise RuntimeError("close_block: not the innermost block")
-    r.blocks.pop()
-    try:
-        block.close(aborted)
-        if not aborted:
-            for fn in _close_listeners:
-                fn(block.record_)
-    finally:
-        if not r.blocks:
-            _tls.recorder = None
-            if current_dispatch_mode() is r:
-                r.__exit__(None, None, None)
-            else:
-                remove_mode_from_under(r)
-                return False
-    return True
-
-
-def settle() -> None:
-    """R6 for every open block of this thread (before a pack decides)."""
-    r: Recorder | None = getattr(_tls, "recorder", None)
-    if r is not None:
-        for block in r.blocks:
-            if block.unsettled:
-                block.settle()
-
-
-def has_open_block() -> bool:
-    r: Recorder | None = getattr(_tls, "recorder", None)
-    return r is not None and bool(r.blocks)
-
-
-class paused:
-    """A guard under which this thread's recorder records nothing (replay, internals)."""
-
-    __slots__ = ("_r",)
-
-    def __enter__(self) -> None:
-        self._r: Recorder | None = getattr(_tls, "recorder", None)
-        if self._r is not None:
-            self._r.paused += 1
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._r is not None:
-            self._r.paused -= 1
+    def vars(self) -> list[Var]:
+        return [v for rec in self.ops for v in rec[4] if v is not None]

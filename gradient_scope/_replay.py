@@ -18,7 +18,7 @@ P2. A handle stands for its tensor as autograd saved it: the state of the
     that write is part of the saved value.) A recorded write that did bump the
     version after the save raises PyTorch's own in-place error, as PyTorch does.
 P3. A value still in memory is used as it is: the tensor itself while it
-    lives, or an alias another block holds of it (R5 in ``_record``).
+    lives, or an alias another block holds of it (R5 in ``_entry``).
 P4. Within one backward pass each op runs at most once: values that other
     pending handles of the block will ask for (their own values, and the values
     their replays will read) are cached, each entry held by at least one
@@ -49,10 +49,10 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from . import _record
-from ._block import BlockRecord, Input, Var, moved
+from . import _recorder
 from ._errors import RecomputeError
 from ._plan import Derived, Ref, closure, run_plan
+from ._record import BlockRecord, Input, Var, moved
 from ._registry import _LIVE, Entry, tensor_of, value_in_memory
 from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback, sequence_nr
 
@@ -187,12 +187,12 @@ def materialize(h: Handle) -> Tensor:
         t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
         h.state.served(h)
-        with _record.paused():
+        with _recorder.paused():
             value = t.detach()
     else:
         value = h.state.replay(h)
     if h.view is not None:
-        with _record.paused(), below_autograd():
+        with _recorder.paused(), below_autograd():
             value = h.view.apply(value)
     if h.check is not None and not _same(value, h.check):
         raise RecomputeError(
@@ -371,12 +371,12 @@ class ReplayState:
             plan = closure(refs, var, len(record.ops), available)
             code = self.derived.compiled(record, plan)
             if ps is None:
-                with _record.paused(), torch.enable_grad(), below_autograd():
+                with _recorder.paused(), torch.enable_grad(), below_autograd():
                     return run_plan(record, refs, code, plan, var, cache, (), {}, self._freed)
             targets, frontier = _wanted(self.derived, record, refs, ps, h, set(plan))
             produced: dict[Var, Tensor] = {}
             keep = targets.keys() | frontier.keys()
-            with _record.paused(), torch.enable_grad(), below_autograd():
+            with _recorder.paused(), torch.enable_grad(), below_autograd():
                 value = run_plan(record, refs, code, plan, var, cache, keep, produced, self._freed)
             for n, v in produced.items():
                 k = len(n.root.writes)

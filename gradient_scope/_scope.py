@@ -10,9 +10,9 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from . import _interception, _record
-from ._block import BlockRecord, Frame
-from ._recording import Recording
+from . import _interception, _recorder
+from ._entry import OpenBlock
+from ._record import BlockRecord, Frame
 from ._replay import ReplayState
 from ._stats import ScopeStats
 from .policies import as_save_policy
@@ -95,7 +95,7 @@ class recompute_scope:
         )
         self._save = as_save_policy(save)
         self._stats = ScopeStats()
-        self._block: Recording | None = None
+        self._block: OpenBlock | None = None
         self._frame: Frame | None = None
         self._nested = False
         self._active = False
@@ -131,13 +131,13 @@ class recompute_scope:
             self._active = False
             raise
         frame = self._frame = Frame(opts["preserve_rng_state"], self._save, opts["debug"], self._stats, serial)
-        outer = _record.innermost()
+        outer = _recorder.innermost()
         if outer is not None:  # nested in an open block of this thread: record into it
             outer.push(frame)
             self._block, self._nested = outer, True
         else:
             record = BlockRecord()
-            self._block, self._nested = _record.open_block(record, ReplayState(record), frame), False
+            self._block, self._nested = _recorder.open_block(record, ReplayState(record), frame), False
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -148,7 +148,7 @@ class recompute_scope:
             self._active = False
             return
         if (
-            _record.innermost() is not block
+            _recorder.innermost() is not block
             or block.frame is not self._frame
             or (not self._nested and len(block.frames) != 1)
         ):
@@ -163,7 +163,7 @@ class recompute_scope:
             block.pop(aborted)
             return
         try:
-            clean = _record.close_block(block, aborted)
+            clean = _recorder.close_block(block, aborted)
         finally:
             _interception.sweep()
         if not clean and not aborted:

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from . import _registry, _rng
-from ._block import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var, new_var
 from ._ops import INPLACE, NEW, VIEW, OpFacts
+from ._record import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var, new_var
 from ._registry import _LIVE, Ledger, register
 from ._subclass import data_tensor, data_tensors, is_wrapper
 from ._torch_compat import current_graph_task
 
-__all__ = ["Recording", "NO_KWARGS"]
+__all__ = ["OpenBlock", "NO_KWARGS"]
 
 Tensor = torch.Tensor
 NO_KWARGS: dict[str, Any] = {}  # shared, never written
@@ -92,11 +92,11 @@ class _Inputs:
             root.take_snapshot()
 
 
-class Recording:
+class OpenBlock:
     """The recorder's state for one open block; discarded when the block closes."""
 
     __slots__ = (
-        "record_",
+        "record",
         "owner",
         "ledger",
         "task",
@@ -109,7 +109,7 @@ class Recording:
     )
 
     def __init__(self, record: BlockRecord, owner: Any, frame: Frame, lg: Ledger) -> None:
-        self.record_ = record
+        self.record = record
         self.owner = owner  # the block's replay state: its tensors' registry entries point to it
         self.ledger = lg
         frame.owner, frame.ledger = owner, lg
@@ -125,7 +125,7 @@ class Recording:
     # -- nested scopes
 
     def _count(self) -> None:
-        n = len(self.record_.ops)
+        n = len(self.record.ops)
         self.frame.stats.ops_recorded += n - self.counted
         self.counted = n
 
@@ -133,7 +133,7 @@ class Recording:
         frame.owner, frame.ledger = self.owner, self.ledger
         self._count()
         self.frames.append(frame)
-        self.starts.append(len(self.record_.ops))
+        self.starts.append(len(self.record.ops))
         self.frame = frame
 
     def pop(self, aborted: bool) -> None:
@@ -142,7 +142,7 @@ class Recording:
         start = self.starts.pop()
         self.frame = self.frames[-1]
         if aborted:  # tensors of a scope that raised are ordinary tensors from now on
-            _registry.forget([v for rec in self.record_.ops[start:] for v in rec[4] if v is not None])
+            _registry.forget([v for rec in self.record.ops[start:] for v in rec[4] if v is not None])
 
     def settle(self) -> None:
         """R6: note the version each write of the last op left its tensor at."""
@@ -153,12 +153,12 @@ class Recording:
     def close(self, aborted: bool) -> None:
         self.settle()
         self._count()
-        record = self.record_
+        record = self.record
         _note_escaped(record)
         record.open = False
         self.inputs = _Inputs()
         if aborted:
-            _registry.forget(self.record_.vars())
+            _registry.forget(self.record.vars())
 
     # -- arguments
 
@@ -188,7 +188,7 @@ class Recording:
 
     # -- ops
 
-    def record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def run_and_record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
         kept = frame.save is not None and not f.writes and frame.keeps(func)
@@ -198,7 +198,7 @@ class Recording:
             pre = self._before_writes(f, args, kwargs) if f.writes else None
             out = func(*args, **kwargs)  # R2: not recorded
             for root, _ in pre or ():
-                self._add_write(root, len(self.record_.ops), None)
+                self._add_write(root, len(self.record.ops), None)
             return out
         try:
             rargs = self.refs(args)
@@ -229,7 +229,7 @@ class Recording:
 
         out = func(*args, **kwargs)
 
-        ops = self.record_.ops
+        ops = self.record.ops
         index = len(ops)
         for root, t in pre or ():
             self.unsettled.append((root, t, index))
@@ -268,7 +268,7 @@ class Recording:
 
 
 def _new_var(
-    rec: Recording,
+    rec: OpenBlock,
     t: Tensor,
     f: OpFacts,
     i: int,
@@ -299,21 +299,21 @@ def _new_var(
         raise AssertionError(kind)
     var = new_var(t, index, rec.frame, root, version)
     if f.loose and isinstance(root, Var):
-        rec.record_.loose.setdefault(root, []).append(var)
+        rec.record.loose.setdefault(root, []).append(var)
     if rec.frame.debug:
         if i in f.scratch:
-            rec.record_.scratch.add(var)
+            rec.record.scratch.add(var)
         elif not f.uninitialized:
-            rec.record_.debug_values[var] = t.detach().clone()
+            rec.record.debug_values[var] = t.detach().clone()
     register(var)
     return var
 
 
-def run_unrecorded(rec: Recording, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an op that reads a jagged nested tensor (R8) without recording it; block
     tensors inside an argument it writes to can no longer be replayed."""
     out = func(*args, **kwargs)
-    index = len(rec.record_.ops)
+    index = len(rec.record.ops)
     for w in f.writes:
         t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
         if isinstance(t, Tensor):

@@ -1,0 +1,218 @@
+"""The thread's recorder: while a block is open in a thread, a TorchDispatchMode records its ops.
+
+The recorder exists only while a block is open in a thread. It hands each op
+to the innermost open block's :class:`~gradient_scope._entry.OpenBlock`,
+which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
+block's ``BlockRecord`` (see ``_record``); the op list never changes once the
+block is closed. The rules a recording keeps (R1..R6) are in ``_entry``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _registry
+from ._entry import NO_KWARGS, OpenBlock, Unrecordable, run_unrecorded
+from ._ops import _FACTS, facts
+from ._record import BlockRecord, Frame, Var, new_var
+from ._registry import _LIVE, register
+from ._torch_compat import (
+    OpOverload,
+    TorchDispatchMode,
+    current_dispatch_mode,
+    current_graph_task,
+    dynamo_disabled,
+    in_compiled_code,
+    remove_mode_from_under,
+    skip_dynamo,
+)
+
+__all__ = [
+    "Recorder",
+    "add_close_listener",
+    "open_block",
+    "innermost",
+    "close_block",
+    "settle",
+    "has_open_block",
+    "paused",
+]
+
+Tensor = torch.Tensor
+_FACTS_GET = _FACTS.get
+_LIVE_GET = _LIVE.get
+_grad_enabled = torch.is_grad_enabled
+
+
+def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+    """``Recorder.__torch_dispatch__``: record ``func`` into the innermost open block."""
+    blocks = self.blocks
+    if self.paused or not blocks or type(func) is not OpOverload:
+        return func(*args, **(kwargs or {}))
+    block = blocks[-1]
+    if block.task != current_graph_task():  # R3
+        return func(*args, **(kwargs or {}))
+    if not _grad_enabled() and in_compiled_code():
+        return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
+    if block.unsettled:
+        block.settle()
+    f = _FACTS_GET(func)
+    if f is None:
+        f = facts(func)
+    if kwargs or not f.fast or not block.frame.plain:
+        return block.run_and_record(func, f, args, kwargs or NO_KWARGS)
+    # The hot path (most ops): positional arguments, one fresh output.
+    owner = block.owner
+    rargs: list[Any] = []
+    for a in args:  # OpenBlock.refs, inlined
+        if isinstance(a, Tensor):
+            e = _LIVE_GET(id(a))
+            if e is not None and e.frame.owner is owner and e() is a:
+                rargs.append(e)
+            else:
+                try:
+                    rargs.append(block.inputs.of(a, e))
+                except Unrecordable:
+                    return run_unrecorded(block, func, f, args, NO_KWARGS)
+        elif type(a) is list or type(a) is tuple:
+            return block.run_and_record(func, f, args, NO_KWARGS)
+        else:
+            rargs.append(a)
+    out = func._op(*args)
+    ops = block.record.ops
+    outs: tuple[Var, ...] = ()
+    if isinstance(out, Tensor) and (type(out) is Tensor or not out.is_nested):  # R8
+        for a in args:
+            if a is out:
+                break
+        else:
+            var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
+            register(var)
+            outs = (var,)
+    ops.append((func, rargs, NO_KWARGS, None, outs))
+    return out
+
+
+class Recorder(TorchDispatchMode):
+    """One per thread while a block is open there; records into the innermost block."""
+
+    # Higher-order operators (flex_attention, ...) reach __torch_dispatch__ and
+    # run as they are (R2).
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo compiles functions called inside a block (it skips frames under
+        # modes that say False); the compiled artifacts' ops pass through (R7).
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list[OpenBlock] = []  # open blocks of this thread, innermost last
+        self.paused = 0  # > 0: ops pass through (replay, the library's own ops)
+
+
+def _install_dispatch() -> None:
+    """Give Recorder its ``__torch_dispatch__`` (when the first block opens: telling
+    dynamo imports it, which takes seconds). Assigned after the class statement so
+    that TorchDispatchMode.__init_subclass__ does not wrap it in
+    torch._disable_dynamo (two Python frames per op): dynamo is told to skip the
+    function, and everything it calls, by its code object instead."""
+    if skip_dynamo(_record_op.__code__):
+        Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
+    else:  # a torch without per-code strategies: the wrapped form
+        Recorder.__torch_dispatch__ = dynamo_disabled(_record_op)  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------- per thread
+
+_tls = threading.local()
+
+
+_close_listeners: list[Callable[[BlockRecord], None]] = []
+
+
+def add_close_listener(fn: Callable[[BlockRecord], None]) -> None:
+    """Call ``fn(record)`` when a block closes normally (an adapter's clean-up)."""
+    _close_listeners.append(fn)
+
+
+def open_block(record: BlockRecord, owner: Any, frame: Frame) -> OpenBlock:
+    """Start recording ``record`` in this thread (entering the recorder if needed)."""
+    r: Recorder | None = getattr(_tls, "recorder", None)
+    if r is None:
+        if "__torch_dispatch__" not in Recorder.__dict__:
+            _install_dispatch()
+        r = Recorder()
+        r.__enter__()
+        _tls.recorder = r
+    block = OpenBlock(record, owner, frame, _registry.ledger())
+    r.blocks.append(block)
+    return block
+
+
+def innermost() -> OpenBlock | None:
+    """The innermost open block of this thread, if it was opened in the current
+    backward pass (or outside backward, like now)."""
+    r: Recorder | None = getattr(_tls, "recorder", None)
+    if r is None or not r.blocks:
+        return None
+    block = r.blocks[-1]
+    return block if block.task == current_graph_task() else None
+
+
+def close_block(block: OpenBlock, aborted: bool) -> bool:
+    """Stop recording ``block`` (the innermost). When it was the thread's last
+    open block, exit the recorder; returns False if another TorchDispatchMode
+    had been entered above it (the recorder is taken out from under it)."""
+    r: Recorder = _tls.recorder
+    if not r.blocks or r.blocks[-1] is not block:
+        raise RuntimeError("close_block: not the innermost block")
+    r.blocks.pop()
+    try:
+        block.close(aborted)
+        if not aborted:
+            for fn in _close_listeners:
+                fn(block.record)
+    finally:
+        if not r.blocks:
+            _tls.recorder = None
+            if current_dispatch_mode() is r:
+                r.__exit__(None, None, None)
+            else:
+                remove_mode_from_under(r)
+                return False
+    return True
+
+
+def settle() -> None:
+    """R6 for every open block of this thread (before a pack decides)."""
+    r: Recorder | None = getattr(_tls, "recorder", None)
+    if r is not None:
+        for block in r.blocks:
+            if block.unsettled:
+                block.settle()
+
+
+def has_open_block() -> bool:
+    r: Recorder | None = getattr(_tls, "recorder", None)
+    return r is not None and bool(r.blocks)
+
+
+class paused:
+    """A guard under which this thread's recorder records nothing (replay, internals)."""
+
+    __slots__ = ("_r",)
+
+    def __enter__(self) -> None:
+        self._r: Recorder | None = getattr(_tls, "recorder", None)
+        if self._r is not None:
+            self._r.paused += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._r is not None:
+            self._r.paused -= 1
