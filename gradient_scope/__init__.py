@@ -10,7 +10,9 @@ from . import _torch_floor  # noqa: F401
 
 # isort: split
 
-from . import _fsdp  # noqa: F401  (registers the FSDP2 adapter; imports no torch.distributed)
+from typing import Any
+
+from . import _fsdp, _scope
 from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
@@ -19,6 +21,21 @@ from ._scope import recompute, recompute_scope
 from ._stats import ScopeStats
 from ._version import __version__ as __version__
 from .policies import save_any, save_attention, save_matmuls, save_nothing
+
+# The adapters, registered with the core (see docs/internals.md). FSDP2: brings back
+# freed parameter storage for a replay (imports no torch.distributed).
+_fsdp.install()
+
+
+def _traced_block(*args: Any, **options: Any) -> Any:
+    """``recompute_scope(...)`` while dynamo traces (``_compile``, which imports
+    ``torch._dynamo``, is imported only then)."""
+    from . import _compile
+
+    return _compile.traced_block(*args, **options)
+
+
+_scope.set_traced_block(_traced_block)
 
 __all__ = [
     "RecomputeError",

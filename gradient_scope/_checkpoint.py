@@ -7,14 +7,10 @@ from typing import Any
 
 from torch.utils.checkpoint import noop_context_fn
 
+from ._errors import check_bool
 from ._scope import recompute_scope
 
 __all__ = ["checkpoint"]
-
-
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"gradient_scope.checkpoint: {name} must be a bool, got {type(value).__name__} ({value!r})")
 
 
 def checkpoint(
@@ -104,10 +100,10 @@ def checkpoint(
             f"(as for torch.utils.checkpoint), got {determinism_check!r}"
         )
     if use_reentrant is not None:
-        _check_flag("use_reentrant", use_reentrant)
-    _check_flag("debug", debug)
-    _check_flag("early_stop", early_stop)
+        check_bool("gradient_scope.checkpoint", "use_reentrant", use_reentrant)
+    check_bool("gradient_scope.checkpoint", "debug", debug)
+    check_bool("gradient_scope.checkpoint", "early_stop", early_stop)
     if respect_saved_tensors_hooks is not None:
-        _check_flag("respect_saved_tensors_hooks", respect_saved_tensors_hooks)
+        check_bool("gradient_scope.checkpoint", "respect_saved_tensors_hooks", respect_saved_tensors_hooks)
     with recompute_scope(preserve_rng_state=preserve_rng_state):
         return function(*args, **kwargs)

@@ -55,7 +55,9 @@ import torch
 import torch._dynamo
 import torch._functorch.config as _functorch_config
 
+from ._errors import check_bool
 from ._stats import ScopeStats
+from ._torch_compat import OpOverload, op_schema
 from .policies import as_save_policy
 
 __all__ = ["CompiledScope", "traced_block", "ANNOTATION_KEY"]
@@ -166,12 +168,6 @@ _ENTRIES: dict[int, _Entry] = {}
 _ids = itertools.count(1)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"recompute_scope: {name} must be a bool, got {type(value).__name__} ({value!r})")
-    return value
-
-
 def _prepare(
     preserve_rng_state: Any = True, save: Any = None, enabled: Any = True, debug: Any = False
 ) -> tuple[Any, CompiledScope]:
@@ -180,10 +176,10 @@ def _prepare(
     the annotation value ``(region, scope_id)``, None for a no-op block, or
     ``"eager"`` when this torch cannot compile scopes."""
     options = dict(
-        preserve_rng_state=_check_bool("preserve_rng_state", preserve_rng_state),
+        preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
         save=save,
-        enabled=_check_bool("enabled", enabled),
-        debug=_check_bool("debug", debug),
+        enabled=check_bool("recompute_scope", "enabled", enabled),
+        debug=check_bool("recompute_scope", "debug", debug),
     )
     policy = as_save_policy(save)
     scope = CompiledScope(options)
@@ -321,7 +317,7 @@ def _backward_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 def _is_view(node: torch.fx.Node) -> bool:
     target = node.target
-    schema = getattr(target, "_schema", None)
+    schema = op_schema(target)
     if schema is None or not schema.returns:
         return False
     alias = schema.returns[0].alias_info
@@ -357,7 +353,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         if entry is None:  # pragma: no cover - registered while tracing this graph
             continue
         save = False
-        if entry.policy is not None and isinstance(node.target, torch._ops.OpOverload):
+        if entry.policy is not None and isinstance(node.target, OpOverload):
             key = (scope_id, node.target)
             save = decisions.get(key)  # type: ignore[assignment]
             if save is None:

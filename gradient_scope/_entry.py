@@ -1,6 +1,6 @@
-"""How one op of an open block becomes an entry of its record.
+"""How one op of an open block becomes an entry (an ``OpRecord``) of its record.
 
-Rules a recording keeps (cited in the code as R1..R6):
+RULES R1..R8: what a recording keeps.
 
 R1. A block never holds a tensor whose storage it wrote to: an Input written
     by the block is replaced by a private copy of its value before the first
@@ -36,16 +36,16 @@ from typing import Any
 import torch
 
 from . import _registry, _rng
+from ._errors import internal_error
 from ._ops import INPLACE, NEW, VIEW, OpFacts
-from ._record import BlockRecord, Frame, Group, Input, MetaArg, Ref, Var, new_var
+from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
 from ._registry import _LIVE, Ledger, register
-from ._subclass import data_tensor, data_tensors, is_wrapper
+from ._subclass import data_address, data_tensors, is_wrapper
 from ._torch_compat import current_graph_task
 
-__all__ = ["OpenBlock", "NO_KWARGS"]
+__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded"]
 
 Tensor = torch.Tensor
-NO_KWARGS: dict[str, Any] = {}  # shared, never written
 
 
 class Unrecordable(Exception):
@@ -71,7 +71,7 @@ class _Inputs:
             return inp
         inp = Input(t)
         if not inp.snapshot:
-            if self.written and _storage_key(t) in self.written:
+            if self.written and data_address(t) in self.written:
                 inp.take_snapshot()  # R1
             else:
                 self.cache[key] = inp
@@ -81,11 +81,11 @@ class _Inputs:
 
     def before_write(self, root: Input) -> None:
         """R1: the block is about to write to ``root``'s storage: copy every Input of it."""
-        key = _storage_key(root.tensor)
+        key = data_address(root.tensor)
         if key is not None:
             self.written.add(key)
             for k, inp in list(self.cache.items()):
-                if _storage_key(inp.tensor) == key:
+                if data_address(inp.tensor) == key:
                     inp.take_snapshot()
                     del self.cache[k]
         if not root.snapshot:
@@ -108,7 +108,7 @@ class OpenBlock:
         "unsettled",
     )
 
-    def __init__(self, record: BlockRecord, owner: Any, frame: Frame, lg: Ledger) -> None:
+    def __init__(self, record: BlockRecord, owner: BlockOwner, frame: Frame, lg: Ledger) -> None:
         self.record = record
         self.owner = owner  # the block's replay state: its tensors' registry entries point to it
         self.ledger = lg
@@ -142,7 +142,7 @@ class OpenBlock:
         start = self.starts.pop()
         self.frame = self.frames[-1]
         if aborted:  # tensors of a scope that raised are ordinary tensors from now on
-            _registry.forget([v for rec in self.record.ops[start:] for v in rec[4] if v is not None])
+            _registry.forget([v for rec in self.record.ops[start:] for v in rec.outs if v is not None])
 
     def settle(self) -> None:
         """R6: note the version each write of the last op left its tensor at."""
@@ -244,7 +244,7 @@ class OpenBlock:
             outs = ()
         if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
             rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
-        ops.append((func, rargs, rkwargs, rng, outs))
+        ops.append(OpRecord(func, rargs, rkwargs, rng, outs))
         return out
 
     def _before_writes(self, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, Tensor]]:
@@ -296,7 +296,7 @@ def _new_var(
             root = src.root
         version = _version(t)
     elif kind != NEW:  # pragma: no cover
-        raise AssertionError(kind)
+        internal_error(f"unknown output kind {kind} of {f.name}")
     var = new_var(t, index, rec.frame, root, version)
     if f.loose and isinstance(root, Var):
         rec.record.loose.setdefault(root, []).append(var)
@@ -352,12 +352,3 @@ def _version(t: Tensor) -> int:
         return t._version
     except RuntimeError:  # inference tensors have no version counter
         return 0
-
-
-def _storage_key(t: Tensor) -> int | None:
-    """The address of ``t``'s storage; None for tensors without one (sparse) or freed."""
-    try:
-        storage = data_tensor(t).untyped_storage()  # a wrapper's own storage has no data
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage.data_ptr() if storage.nbytes() else None

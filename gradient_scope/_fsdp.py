@@ -45,22 +45,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _recorder, _registry, _replay
-from ._errors import RecomputeError
+from . import _plan, _recorder, _registry
+from ._errors import RecomputeError, internal_error
 from ._record import BlockRecord, Var
-from ._subclass import data_tensors, storage_freed
-from ._torch_compat import current_graph_task, queue_engine_callback
+from ._subclass import PLAIN, data_tensors, storage_freed
+from ._torch_compat import current_graph_task, queue_engine_callback, storage_id
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = ["regather", "release_buffers"]
+__all__ = ["regather", "release_buffers", "install"]
 
 _FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _lock = threading.RLock()
-# Storage id (address of the StorageImpl, ``untyped_storage()._cdata``) -> the
+# Storage id (``_torch_compat.storage_id``) -> the
 # group that owns it. A group's storages are allocated by its first all-gather
 # and kept for its lifetime (FSDP2 resizes them, never replaces them); groups
 # whose storages are all listed here are in _complete and are not scanned again.
@@ -99,7 +98,7 @@ def _refresh() -> None:
             outputs = fsdp_param.all_gather_outputs
             complete = complete and bool(outputs) and hasattr(fsdp_param, "_unsharded_param")
             for t in chain(outputs, getattr(fsdp_param, "_unsharded_inner_tensors", ())):
-                _owners[t.untyped_storage()._cdata] = ref
+                _owners[storage_id(t)] = ref
         if complete:
             _complete.add(group)
 
@@ -178,7 +177,7 @@ def regather(t: torch.Tensor) -> bool:
     with _lock:
         for d in data_tensors(t):
             if storage_freed(d):
-                group = _owner(d.untyped_storage()._cdata)
+                group = _owner(storage_id(d))
                 if group is None:
                     return False
                 if group not in groups:
@@ -194,9 +193,9 @@ def regather(t: torch.Tensor) -> bool:
     for group in groups:
         _unshard(group, task)
     if storage_freed(t):
-        raise RecomputeError(
-            f"gradient_scope: FSDP2 did not gather the parameter of shape {list(t.shape)} "
-            f"({t.dtype}) that a replay reads ({groups[0]!r}). Please report this."
+        internal_error(
+            f"FSDP2 did not gather the parameter of shape {list(t.shape)} ({t.dtype}) "
+            f"that a replay reads ({groups[0]!r})"
         )
     return True
 
@@ -208,14 +207,14 @@ def release_buffers(record: BlockRecord) -> None:
     if _FSDP_STATE_MODULE not in sys.modules:
         return
     ops = record.ops
-    if not any(getattr(rec[0], "namespace", None) == "fsdp" for rec in ops):
+    if not any(getattr(rec.func, "namespace", None) == "fsdp" for rec in ops):
         return
     owned: list[Var] = []
     with _lock:
         _refresh()
         for var in record.vars():
             live = _registry.tensor_of(var)
-            if live is not None and type(live) in _PLAIN and _owner(live.untyped_storage()._cdata, False):
+            if live is not None and type(live) in PLAIN and _owner(storage_id(live), False):
                 owned.append(var)
     if owned:
         _registry.forget(owned)
@@ -225,5 +224,7 @@ def _on_freed(t: torch.Tensor) -> bool:
     return regather(t)  # looked up at call time (tests wrap it)
 
 
-_replay.add_freed_storage_handler(_on_freed)
-_recorder.add_close_listener(release_buffers)
+def install() -> None:
+    """Register the adapter with the core (called once, by the package)."""
+    _plan.add_freed_storage_handler(_on_freed)
+    _recorder.add_close_listener(release_buffers)

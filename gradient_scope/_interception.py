@@ -1,7 +1,7 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-Invariants (cited as I1..I5):
+RULES I1..I5: the hook pair's invariants.
 
 I1. While a thread has an open block or a live block tensor, exactly one pair
     of ours is on its hook stack, innermost unless a context was entered after

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._torch_compat import SEEDED_TAG, get_alias_info
+from ._torch_compat import SEEDED_TAG, get_alias_info, op_schema, overload_kernel
 
 __all__ = ["OpFacts", "facts", "NEW", "INPLACE", "VIEW"]
 
@@ -15,7 +15,7 @@ __all__ = ["OpFacts", "facts", "NEW", "INPLACE", "VIEW"]
 NEW, INPLACE, VIEW = 0, 1, 2
 
 # Ops that write to their running-statistics arguments without saying so in
-# their schema, and without bumping the arguments' version counters (NOTES).
+# their schema, and without bumping the arguments' version counters.
 _HIDDEN_WRITES: dict[str, tuple[int, ...]] = {
     "aten::native_batch_norm": (3, 4),
     "aten::cudnn_batch_norm": (3, 4),
@@ -78,7 +78,7 @@ def _alias_sets(func: Any) -> tuple[AliasSets, AliasSets]:
             [(frozenset(a.alias_set), a.is_write) for a in info.outs],
         )
     except Exception:  # noqa: BLE001  (a schema torchgen cannot parse: read the TorchScript one)
-        schema = func._schema
+        schema = op_schema(func)
 
         def sets(items: Any) -> AliasSets:
             return [
@@ -108,10 +108,12 @@ class OpFacts:
         "fast",
         "scratch",
         "loose",
+        "kernel",
     )
 
     def __init__(self, func: Any) -> None:
-        schema = func._schema
+        schema = op_schema(func)
+        self.kernel = overload_kernel(func)  # what the hot path calls
         self.name: str = schema.name
         namespace, _, short = schema.name.partition("::")
         self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES

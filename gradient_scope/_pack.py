@@ -1,10 +1,12 @@
-"""What a save becomes: a handle, the tensor as stored, or whatever the pair below ours makes.
+"""Save: what a save becomes -- a handle, the tensor as stored, or whatever the pair below ours makes.
 
-Rules (cited as S1..S3):
+RULES S1..S3: what a save becomes.
 
 S1. A block tensor, or a view of one, saved while our pair applies to its
-    block, becomes a :class:`~gradient_scope._replay.Handle` -- unless replay
-    says it must be stored (it changed in a way the block did not record).
+    block, becomes a :class:`~gradient_scope._replay.Handle` -- unless it must
+    be stored: its block's record is released (P7), another member of its
+    storage group may be written unseen (P8), or it changed in a way the block
+    did not record (its data swapped, or a write after the block).
 S2. Anything else goes to the pair below ours, exactly as without the scope.
     With no pair below it is stored as autograd stores it: the tensor itself
     (``saved is t`` when it does not require grad, as without hooks; a later
@@ -22,13 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 
 from . import _recorder
-from ._registry import lookup
-from ._replay import ViewSpec, inplace_error, may_be_new_output
-from ._torch_compat import HookPair, without_python_dispatch
+from ._errors import inplace_error, internal_error
+from ._record import Input, Var, ViewSpec, moved
+from ._registry import Entry, lookup
+from ._torch_compat import HookPair, node_sequence_nr, sequence_nr, without_python_dispatch
 
-__all__ = ["pack", "unpack", "add_pack_listener", "Stored", "Foreign"]
+__all__ = ["pack", "unpack", "add_pack_listener", "may_be_new_output", "Stored", "Foreign"]
 
 Tensor = torch.Tensor
 
@@ -45,6 +49,55 @@ def add_pack_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
             _listeners.remove(fn)
 
     return remove
+
+
+def may_be_new_output(t: Tensor) -> bool:
+    """Whether ``t``, being saved, may be an output of the autograd node saving it.
+    Autograd keeps a saved input itself (so it sees a later ``.data = ...``) and a
+    saved output as a shallow copy (holding it would be a reference cycle through
+    its own node); whoever keeps a saved tensor for autograd does the same, and
+    takes a shallow copy whenever this says "may be". Exact for leaves (never an
+    output) and for built-in ops (each node's saves are packed after the node is
+    made and before the next one is); a custom Function's saves are packed after
+    its forward, which may have made other nodes, so any custom Function output
+    may be one."""
+    g = t.grad_fn
+    if g is None:
+        return False
+    return node_sequence_nr(g) == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
+
+
+def _handle(entry: Entry, t: Tensor, view: ViewSpec | None) -> Any:
+    """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it (S1)."""
+    var: Var = entry  # type: ignore[assignment]  # only Vars are registered
+    root = var.root
+    if isinstance(root, Input):
+        return None  # a view of an outside tensor: storing it costs nothing extra
+    owner = var.frame.owner
+    if owner is None:
+        internal_error("a registered block tensor has no replay state")
+    record = owner.record
+    if record is None:
+        return None  # released (P7): the block cannot be replayed any more
+    if root in record.escaped:
+        return None  # another member may be written after the block unseen (P8)
+    base = t if view is None else t._base
+    if base is not None and moved(var, base):
+        return None  # its data was swapped after the block (`.data = ...`)
+    v = t._version
+    writes = root.writes
+    if v != (writes[-1][1] if writes else var.version):
+        return None  # changed by something the block did not record (e.g. after it)
+    new_output = may_be_new_output(t)
+    # debug=True compares the value at unpack with what autograd itself would hand back.
+    check = None
+    if var.frame.debug and var not in record.scratch:
+        check = t.detach() if new_output else t
+    h = owner.new_handle(var, v, view, check, view is None and not new_output)
+    stats = var.frame.stats
+    stats.tensors_packed += 1
+    stats.bytes_packed += t.numel() * t.element_size()
+    return h
 
 
 class Stored:
@@ -102,7 +155,7 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
                     entry = None
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
-        h = entry.frame.owner.handle(entry, t, view)  # S1
+        h = _handle(entry, t, view)  # S1
         if h is not None:
             for fn in _listeners:
                 fn(t, h)

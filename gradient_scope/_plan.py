@@ -1,43 +1,68 @@
-"""Plans: which recorded ops of a block rebuild a value, and running them
-(``_replay`` P1, P5, P6).
+"""Restore, the replay itself: which recorded ops of a block rebuild a value, which
+values to keep for the rest of the backward pass, and running them (``_replay``
+P1, P4, P5, P6).
 
 A plan is a sorted list of op indices. Every argument of a recorded op was made
 by an earlier op, so the closure is found in one pass over the ops, from the
 last one down. Running a plan drops each intermediate value as soon as no later
-op of the plan reads it.
+op of the plan reads it, except the values the other pending handles of the
+pass will ask for (P4): those it returns, each with the handle that will ask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from . import _rng
-from ._errors import RecomputeError
-from ._record import BlockRecord, Input, MetaArg, Var, moved
-from ._registry import _LIVE
-from ._subclass import data_tensor, storage_freed
-from ._torch_compat import without_autocast
+from ._errors import RecomputeError, internal_error
+from ._record import NO_KWARGS, BlockRecord, Input, MetaArg, OpRecord, Ref, Var, live_value
+from ._subclass import data_storage_id, storage_freed
+from ._torch_compat import overload_kernel, without_autocast
 
-__all__ = ["Ref", "Instr", "Derived", "op_refs", "compile_op", "closure", "run_plan"]
-
-Ref = Var | Input
+__all__ = [
+    "Instr",
+    "Derived",
+    "op_refs",
+    "compile_op",
+    "closure",
+    "replay",
+    "same_values",
+    "add_freed_storage_handler",
+]
 
 Tensor = torch.Tensor
+H = TypeVar("H")  # whoever holds a kept value (a pending handle)
+Key = tuple[Var, int]  # a value: (var, number of its group's writes applied)
+
+_freed_storage_handlers: list[Callable[[Tensor], bool]] = []
 
 
-def _storage_id(t: Tensor) -> int:
-    return data_tensor(t).untyped_storage()._cdata  # type: ignore[no-any-return]
+def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
+    """Register ``fn(tensor) -> bool``, asked (in order) to bring back the freed
+    storage of an outside tensor a replay is about to read; True if it did."""
+    _freed_storage_handlers.append(fn)
 
 
-def _input_value(r: Input, func: Any, freed: Callable[[Tensor], bool]) -> Tensor:
+def _freed(t: Tensor) -> bool:
+    return any(fn(t) for fn in _freed_storage_handlers)
+
+
+def same_values(a: Tensor, b: Tensor) -> bool:
+    """The debug comparison: bitwise on CPU, close elsewhere (kernels may differ run to run)."""
+    if a.device.type == "cpu":
+        return bool(torch.equal(a, b))
+    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True))
+
+
+def _input_value(r: Input, func: Any) -> Tensor:
     """An outside tensor's value as the block read it (P6), or a RecomputeError."""
     t = r.tensor
     if r.snapshot:
         return t.clone(memory_format=torch.preserve_format)  # replay writes into a copy (R1)
-    if storage_freed(t) and not freed(t):
+    if storage_freed(t) and not _freed(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, has had its "
@@ -53,7 +78,7 @@ def _input_value(r: Input, func: Any, freed: Callable[[Tensor], bool]) -> Tensor
             "Do not modify tensors a block read until backward has run, or pass a clone into the block."
         )
     src = r.source()
-    if src is not None and t.layout == torch.strided and _storage_id(src) != _storage_id(t):
+    if src is not None and t.layout == torch.strided and data_storage_id(src) != data_storage_id(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was given another "
@@ -80,25 +105,19 @@ def _check(func: Any, var: Var, value: Any, debug_values: dict[Var, Tensor]) -> 
             "recompute_scope."
         )
     ref = debug_values.get(var) if debug_values else None
-    if ref is not None:
-        same = (
-            torch.equal(value, ref)
-            if value.device.type == "cpu"
-            else torch.allclose(value, ref, rtol=1e-5, atol=1e-8, equal_nan=True)
+    if ref is not None and not same_values(value, ref):
+        raise RecomputeError(
+            f"gradient_scope (debug): replaying {func} gave different values for a "
+            f"{var.describe()} than forward did. The op is not deterministic, or read state "
+            "that changed without a version bump (`.data`, a NumPy array, untyped_storage()); "
+            "keep its output with save=[...] or move it out of the recompute_scope."
         )
-        if not same:
-            raise RecomputeError(
-                f"gradient_scope (debug): replaying {func} gave different values for a "
-                f"{var.describe()} than forward did. The op is not deterministic, or read state "
-                "that changed without a version bump (`.data`, a NumPy array, untyped_storage()); "
-                "keep its output with save=[...] or move it out of the recompute_scope."
-            )
 
 
-def op_refs(rec: Any) -> tuple[Ref, ...]:
+def op_refs(rec: OpRecord) -> tuple[Ref, ...]:
     """The Vars and Inputs an op record reads (in argument order)."""
     out: list[Ref] = []
-    for a in (*rec[1], *rec[2].values()):
+    for a in (*rec.args, *rec.kwargs.values()):
         if type(a) is Var or type(a) is Input:
             out.append(a)
         elif type(a) is list:
@@ -111,7 +130,7 @@ def op_refs(rec: Any) -> tuple[Ref, ...]:
 Instr = tuple[Any, Any, list[Any], tuple[tuple[int, int], ...], Any, Any, Any, tuple[tuple[int, Var], ...]]
 
 
-def compile_op(rec: Any) -> Instr:
+def compile_op(rec: OpRecord) -> Instr:
     """``rec`` as an instruction: what varies between replays is looked up by slot."""
     func, rargs, rkwargs, rng, outs = rec
     tmpl = list(rargs)
@@ -124,7 +143,7 @@ def compile_op(rec: Any) -> Instr:
         elif type(a) is MetaArg or type(a) is list:
             other.append((pos, a))
     outputs = tuple((k, v) for k, v in enumerate(outs) if v is not None)
-    return (func._op, func, tmpl, tuple(slots), tuple(other) or None, rkwargs or None, rng, outputs)
+    return (overload_kernel(func), func, tmpl, tuple(slots), tuple(other) or None, rkwargs or None, rng, outputs)
 
 
 def _value(a: Any, env: dict[int, Any]) -> Any:
@@ -224,22 +243,64 @@ class Derived:
         return pairs
 
 
-def run_plan(
+def replay(
+    record: BlockRecord, derived: Derived, target: Var, cache: dict[Key, Tensor], wanted: Sequence[tuple[Var, H]]
+) -> tuple[Tensor, list[tuple[H, Key, Tensor]]]:
+    """Rebuild ``target`` (P1): values in ``cache`` or alive are not rebuilt.
+    ``wanted`` lists the values other pending handles of the pass will ask for
+    (P4); returns the value and ``(holder, key, value)`` for each wanted value this
+    replay made on the way: what the pass keeps."""
+
+    def available(r: Var) -> bool:
+        return (r, 0) in cache or live_value(r) is not None
+
+    refs = derived.op_refs(record)
+    plan = closure(refs, target, len(record.ops), available)
+    code = derived.compiled(record, plan)
+    targets, frontier = _kept(derived, record, refs, wanted, plan)
+    env, drops = _load_env(record, refs, plan, target, cache)
+    value, produced = _run(record, code, plan, target, env, drops, targets.keys() | frontier.keys())
+    holds: list[tuple[H, Key, Tensor]] = []
+    for n, v in produced.items():
+        k = len(n.root.writes)
+        holds.extend((h, (n, k), v) for h in targets.get(n, ()))
+        if not k:
+            holds.extend((h, (n, 0), v) for h in frontier.get(n, ()))
+    return value, holds
+
+
+def _kept(
+    derived: Derived,
     record: BlockRecord,
     refs: Sequence[tuple[Ref, ...]],
-    code: Sequence[Instr],
+    wanted: Sequence[tuple[Var, H]],
     plan: list[int],
-    target: Var,
-    cache: dict[tuple[Var, int], Tensor],
-    keep: Collection[Var],
-    produced: dict[Var, Tensor],
-    freed: Callable[[Tensor], bool],
-) -> Tensor:
-    """Run ``plan``; return ``target``'s value and put the values of ``keep`` vars
-    (as they stand at the end, for groups written to) into ``produced``."""
+) -> tuple[dict[Var, list[H]], dict[Var, list[H]]]:
+    """Which values of ``plan`` to keep for ``wanted`` (P4): the wanted values it
+    makes (targets), and the values the wanted values' own replays would read
+    (frontier)."""
+    targets: dict[Var, list[H]] = {}
+    frontier: dict[Var, list[H]] = {}
+    if not wanted:
+        return targets, frontier
+    in_plan = set(plan)
+    for n2, h2 in wanted:
+        if n2.op in in_plan:
+            targets.setdefault(n2, []).append(h2)
+            continue
+        for i, r in derived.reads_of(record, refs, n2):
+            if r.op in in_plan and i not in in_plan:
+                frontier.setdefault(r, []).append(h2)
+    return targets, frontier
+
+
+def _load_env(
+    record: BlockRecord, refs: Sequence[tuple[Ref, ...]], plan: list[int], target: Var, cache: dict[Key, Tensor]
+) -> tuple[dict[int, Any], dict[int, list[int]]]:
+    """Before running: the values the plan reads from outside it (Inputs, cached or
+    live values), by ref id, with a slot for each value it makes and reads later;
+    and after which op each value is read for the last time (to drop it then)."""
     ops = record.ops
-    # Before running: load what the plan reads from outside it (Inputs, cached or
-    # live values), and note after which op each value is read for the last time.
     env: dict[int, Any] = {}
     made: set[int] = set()
     last_use: dict[int, int] = {}
@@ -248,17 +309,32 @@ def run_plan(
             rid = id(r)
             last_use[rid] = i
             if rid not in made and rid not in env:
-                env[rid] = _load(r, ops[i][0], cache, freed)
-        for out_var in ops[i][4]:
+                env[rid] = _load(r, ops[i].func, cache)
+        for out_var in ops[i].outs:
             if out_var is not None:
                 made.add(id(out_var))
     drops: dict[int, list[int]] = {}
     for rid, i in last_use.items():
+        env.setdefault(rid, None)  # made by the plan: filled when made
         if rid != id(target):
             drops.setdefault(i, []).append(rid)
+    return env, drops
 
-    stats = target.frame.stats
+
+def _run(
+    record: BlockRecord,
+    code: Sequence[Instr],
+    plan: list[int],
+    target: Var,
+    env: dict[int, Any],
+    drops: dict[int, list[int]],
+    keep: Collection[Var],
+) -> tuple[Tensor, dict[Var, Tensor]]:
+    """Run ``plan``; return ``target``'s value and the values of ``keep`` vars (as
+    they stand at the end, for groups written to). Values with a slot in ``env``
+    are stored there until their last reader has run."""
     debug_values = record.debug_values
+    produced: dict[Var, Tensor] = {}
     result: Tensor | None = None
     with without_autocast():
         for i in plan:
@@ -289,36 +365,29 @@ def run_plan(
                     _check(func, var, v, debug_values)
                 if var is target:
                     result = v
-                if id(var) in last_use:
+                if id(var) in env:
                     env[id(var)] = v
                 if var in keep:
                     produced[var] = v
             if i in drops:
                 for rid in drops[i]:
                     env.pop(rid, None)
+    stats = target.frame.stats
     stats.replays += 1
     stats.ops_replayed += len(plan)
     if result is None:
-        raise RecomputeError(
-            f"gradient_scope: internal error: replay did not produce the {target.describe()}. Please report this."
-        )
-    return result
+        internal_error(f"replay did not produce the {target.describe()}")
+    return result, produced
 
 
-NO_KWARGS: dict[str, Any] = {}  # shared, never written
-
-
-def _load(r: Ref, func: Any, cache: dict[tuple[Var, int], Tensor], freed: Callable[[Tensor], bool]) -> Tensor:
+def _load(r: Ref, func: Any, cache: dict[Key, Tensor]) -> Tensor:
     """The value of a ref a plan reads but does not make."""
     if isinstance(r, Input):
-        return _input_value(r, func, freed)
+        return _input_value(r, func)
     v = cache.get((r, 0)) if not r.root.writes else None
     if v is None:
-        e = _LIVE.get(r.key)
-        t = e() if e is r else None
-        if t is None or t.is_inference() or t._version != r.version or moved(r, t):
-            raise RecomputeError(
-                f"gradient_scope: internal error: no value for a {r.describe()} needed by {func}. Please report this."
-            )
+        t = live_value(r)
+        if t is None:
+            internal_error(f"no value for a {r.describe()} needed by {func}")
         v = t.detach()
     return v

@@ -1,7 +1,10 @@
 """The record of a block: the types a recording is made of and replay reads.
 
-Only the recorder (``_recorder``) creates and writes these objects; replay and
-the pack hook read them. In a record:
+Only the recorder (``_recorder``, through ``_entry``) creates and writes these
+objects; the save path (``_pack``) and replay (``_replay``, ``_plan``) read them.
+In a record:
+
+* each op is an :class:`OpRecord` ``(func, args, kwargs, rng, outs)``;
 
 * a tensor the block made is a :class:`Var` (metadata only, never the tensor);
 * a tensor from outside is an :class:`Input`, a history-free alias that keeps
@@ -11,20 +14,24 @@ the pack hook read them. In a record:
 * an in-place write is an entry ``(op index, version after)`` in the
   ``writes`` of the storage group it writes to (a fresh tensor and its views
   form one group; its root is the fresh tensor's Var, or an Input); ``None``
-  as the version marks a write that cannot be replayed (a collective's).
+  as the version marks a write that cannot be replayed (a collective's);
+* a view of a block tensor taken after the block, saved, is a :class:`ViewSpec`.
+
+A frame's ``owner`` (:class:`BlockOwner`) is its block's replay state: what the
+save path asks for a handle.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ._registry import Entry, Ledger, on_death
+from ._registry import Entry, Ledger, on_death, tensor_of
 from ._stats import ScopeStats
-from ._torch_compat import alias_in_dispatch
+from ._torch_compat import alias_in_dispatch, neg_view
 
 __all__ = [
     "Var",
@@ -33,16 +40,21 @@ __all__ = [
     "Frame",
     "BlockRecord",
     "OpRecord",
+    "BlockOwner",
+    "ViewSpec",
     "Group",
     "Ref",
     "Write",
+    "NO_KWARGS",
     "new_var",
     "data_ptr",
     "moved",
+    "live_value",
 ]
 
 Tensor = torch.Tensor
 Write = tuple[int, int | None]  # (op index, version after; None: not replayable)
+NO_KWARGS: dict[str, Any] = {}  # the kwargs of most records: shared, never written
 
 
 class Var(Entry):
@@ -113,6 +125,15 @@ def moved(var: Var, t: Tensor) -> bool:
     return var.ptr is not None and data_ptr(t) != var.ptr
 
 
+def live_value(var: Var) -> Tensor | None:
+    """The tensor ``var`` stands for, if alive and unchanged (an inference tensor,
+    which has no version counter, is recomputed instead)."""
+    t = tensor_of(var)
+    if t is not None and not t.is_inference() and t._version == var.version and not moved(var, t):
+        return t
+    return None
+
+
 class Input:
     """A tensor from outside the block, kept alive with the version it was read at.
 
@@ -162,9 +183,63 @@ class MetaArg:
         return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
 
 
-#: ``(func, args, kwargs, rng, outs)``: args hold Refs, MetaArgs and plain values
-#: (lists of them for ``Tensor[]``); ``outs`` one Var or None per output.
-OpRecord = tuple[Any, list[Any], dict[str, Any], Any, tuple[Var | None, ...]]
+class OpRecord(NamedTuple):
+    """One recorded op. ``args`` and ``kwargs`` hold Refs, MetaArgs and plain values
+    (lists of them for ``Tensor[]``)."""
+
+    func: Any  # the OpOverload
+    args: list[Any]
+    kwargs: dict[str, Any]
+    rng: Any  # (generator, state) it drew from (``_rng.capture``), or None
+    outs: tuple[Var | None, ...]  # one Var per new tensor output, None for the others
+
+
+class ViewSpec:
+    """A view of a block tensor taken after the block, rebuilt on the replayed base
+    from its storage layout, dtype and conj/neg bits (``as_strided`` alone would
+    lose the bits and cannot change the dtype)."""
+
+    __slots__ = ("dtype", "size", "stride", "delta", "conj", "neg")
+
+    def __init__(self, view: Tensor, base: Tensor) -> None:
+        self.dtype = view.dtype
+        self.size = view.size()
+        self.stride = view.stride()
+        # Offset from the base's first element, in bytes (dtypes may differ).
+        self.delta = view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()
+        self.conj = view.is_conj()
+        self.neg = view.is_neg()
+
+    @staticmethod
+    def of(view: Tensor, base: Tensor) -> ViewSpec | None:
+        """The spec of ``view`` (a view of ``base``), or None if it cannot be rebuilt."""
+        if type(view) is not Tensor or view.layout != torch.strided or base.layout != torch.strided:
+            return None
+        return ViewSpec(view, base)
+
+    def apply(self, base: Tensor) -> Tensor:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        offset = (base.storage_offset() * base.element_size() + self.delta) // itemsize
+        v = torch.empty(0, dtype=self.dtype, device=base.device)
+        v.set_(base.untyped_storage(), offset, self.size, self.stride)
+        if self.conj:
+            v = v.conj()
+        if self.neg:
+            v = neg_view(v)
+        return v
+
+
+class BlockOwner(Protocol):
+    """What a frame's owner (its block's replay state, ``_replay.ReplayState``)
+    provides to the save path (``_pack``)."""
+
+    #: The block's record; None once released (P7 in ``_replay``).
+    record: BlockRecord | None
+
+    def new_handle(
+        self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool
+    ) -> Any:
+        """A pending handle of this block standing for ``var`` saved at ``version``."""
 
 
 class Frame:
@@ -184,7 +259,7 @@ class Frame:
         self.plain = save is None and not debug  # the hot path applies
         # Set when the frame starts recording: the block's replay state (its tensors'
         # registry entries reach it here) and the recording thread's ledger.
-        self.owner: Any = None
+        self.owner: BlockOwner | None = None
         self.ledger: Ledger | None = None
         self._kept: dict[Any, bool] = {}
 
@@ -214,4 +289,4 @@ class BlockRecord:
         self.escaped: dict[Var, dict[Var, int]] = {}
 
     def vars(self) -> list[Var]:
-        return [v for rec in self.ops for v in rec[4] if v is not None]
+        return [v for rec in self.ops for v in rec.outs if v is not None]

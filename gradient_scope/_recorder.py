@@ -4,7 +4,7 @@ The recorder exists only while a block is open in a thread. It hands each op
 to the innermost open block's :class:`~gradient_scope._entry.OpenBlock`,
 which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
 block's ``BlockRecord`` (see ``_record``); the op list never changes once the
-block is closed. The rules a recording keeps (R1..R6) are in ``_entry``.
+block is closed. The rules a recording keeps (R1..R8) are in ``_entry``.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from . import _registry
-from ._entry import NO_KWARGS, OpenBlock, Unrecordable, run_unrecorded
+from ._entry import OpenBlock, Unrecordable, run_unrecorded
+from ._errors import internal_error
 from ._ops import _FACTS, facts
-from ._record import BlockRecord, Frame, Var, new_var
+from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, OpRecord, Var, new_var
 from ._registry import _LIVE, register
 from ._torch_compat import (
     OpOverload,
     TorchDispatchMode,
     current_dispatch_mode,
     current_graph_task,
-    dynamo_disabled,
     in_compiled_code,
     remove_mode_from_under,
     skip_dynamo,
@@ -82,7 +82,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             return block.run_and_record(func, f, args, NO_KWARGS)
         else:
             rargs.append(a)
-    out = func._op(*args)
+    out = f.kernel(*args)
     ops = block.record.ops
     outs: tuple[Var, ...] = ()
     if isinstance(out, Tensor) and (type(out) is Tensor or not out.is_nested):  # R8
@@ -93,7 +93,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
             register(var)
             outs = (var,)
-    ops.append((func, rargs, NO_KWARGS, None, outs))
+    ops.append(OpRecord(func, rargs, NO_KWARGS, None, outs))
     return out
 
 
@@ -122,10 +122,8 @@ def _install_dispatch() -> None:
     that TorchDispatchMode.__init_subclass__ does not wrap it in
     torch._disable_dynamo (two Python frames per op): dynamo is told to skip the
     function, and everything it calls, by its code object instead."""
-    if skip_dynamo(_record_op.__code__):
-        Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
-    else:  # a torch without per-code strategies: the wrapped form
-        Recorder.__torch_dispatch__ = dynamo_disabled(_record_op)  # type: ignore[method-assign]
+    skip_dynamo(_record_op.__code__)
+    Recorder.__torch_dispatch__ = _record_op  # type: ignore[method-assign,assignment]
 
 
 # ---------------------------------------------------------------- per thread
@@ -141,7 +139,7 @@ def add_close_listener(fn: Callable[[BlockRecord], None]) -> None:
     _close_listeners.append(fn)
 
 
-def open_block(record: BlockRecord, owner: Any, frame: Frame) -> OpenBlock:
+def open_block(record: BlockRecord, owner: BlockOwner, frame: Frame) -> OpenBlock:
     """Start recording ``record`` in this thread (entering the recorder if needed)."""
     r: Recorder | None = getattr(_tls, "recorder", None)
     if r is None:
@@ -171,7 +169,7 @@ def close_block(block: OpenBlock, aborted: bool) -> bool:
     had been entered above it (the recorder is taken out from under it)."""
     r: Recorder = _tls.recorder
     if not r.blocks or r.blocks[-1] is not block:
-        raise RuntimeError("close_block: not the innermost block")
+        internal_error("close_block was called for a block that is not the innermost")
     r.blocks.pop()
     try:
         block.close(aborted)

@@ -1,9 +1,11 @@
-"""Replay: recompute the value a handle stands for from its block's record.
+"""Restore: the value a handle stands for, from memory or by a replay of its block's record.
 
 Each block that has handles gets one :class:`ReplayState` (made with the block,
 held by its handles and by its live tensors' registry entries, so that it and
-the record die as soon as backward no longer needs the block). Rules (cited
-as P1..P6):
+the record die as soon as backward no longer needs the block). Which ops a
+replay runs, and running them, is ``_plan``'s.
+
+RULES P1..P8: what a replay keeps.
 
 P1. Only the recorded ops in the dependency closure of the requested value
     run, in recorded order, below autograd (no graph is built) with grad mode
@@ -44,74 +46,19 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 
 import torch
-from torch.autograd.function import BackwardCFunction
 
 from . import _recorder
-from ._errors import RecomputeError
-from ._plan import Derived, Ref, closure, run_plan
-from ._record import BlockRecord, Input, Var, moved
-from ._registry import _LIVE, Entry, tensor_of, value_in_memory
-from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback, sequence_nr
+from ._errors import RecomputeError, inplace_error, internal_error
+from ._plan import Derived, replay, same_values
+from ._record import BlockRecord, Var, ViewSpec, moved
+from ._registry import Entry, tensor_of, value_in_memory
+from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
 
-__all__ = [
-    "Handle",
-    "ViewSpec",
-    "ReplayState",
-    "materialize",
-    "add_freed_storage_handler",
-    "inplace_error",
-    "may_be_new_output",
-]
+__all__ = ["Handle", "ReplayState", "materialize"]
 
 Tensor = torch.Tensor
-
-
-def inplace_error(what: str, saved: int, now: int) -> RuntimeError:
-    """PyTorch's error for a saved tensor modified in place (hooks switch its own check off)."""
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an "
-        f"inplace operation: [{what}] is at version {now}; expected version {saved} instead. "
-        "(Checked by gradient_scope, which stands in for PyTorch's own check while its "
-        "saved-tensor hooks are active.)"
-    )
-
-
-class ViewSpec:
-    """A view of a block tensor taken after the block, rebuilt on the replayed base
-    from its storage layout, dtype and conj/neg bits (``as_strided`` alone would
-    lose the bits and cannot change the dtype)."""
-
-    __slots__ = ("dtype", "size", "stride", "delta", "conj", "neg")
-
-    def __init__(self, view: Tensor, base: Tensor) -> None:
-        self.dtype = view.dtype
-        self.size = view.size()
-        self.stride = view.stride()
-        # Offset from the base's first element, in bytes (dtypes may differ).
-        self.delta = view.storage_offset() * view.element_size() - base.storage_offset() * base.element_size()
-        self.conj = view.is_conj()
-        self.neg = view.is_neg()
-
-    @staticmethod
-    def of(view: Tensor, base: Tensor) -> ViewSpec | None:
-        """The spec of ``view`` (a view of ``base``), or None if it cannot be rebuilt."""
-        if type(view) is not Tensor or view.layout != torch.strided or base.layout != torch.strided:
-            return None
-        return ViewSpec(view, base)
-
-    def apply(self, base: Tensor) -> Tensor:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        offset = (base.storage_offset() * base.element_size() + self.delta) // itemsize
-        v = torch.empty(0, dtype=self.dtype, device=base.device)
-        v.set_(base.untyped_storage(), offset, self.size, self.stride)
-        if self.conj:
-            v = v.conj()
-        if self.neg:
-            v = torch._neg_view(v)
-        return v
 
 
 class Handle:
@@ -151,31 +98,6 @@ class Handle:
             state.dropped(id(self))
 
 
-_freed_storage_handlers: list[Callable[[Tensor], bool]] = []
-
-
-def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
-    """Register ``fn(tensor) -> bool``, asked (in order) to bring back the freed
-    storage of an outside tensor a replay is about to read; True if it did."""
-    _freed_storage_handlers.append(fn)
-
-
-def may_be_new_output(t: Tensor) -> bool:
-    """Whether ``t``, being saved, may be an output of the autograd node saving it.
-    Autograd keeps a saved input itself (so it sees a later ``.data = ...``) and a
-    saved output as a shallow copy (holding it would be a reference cycle through
-    its own node); whoever keeps a saved tensor for autograd does the same, and
-    takes a shallow copy whenever this says "may be". Exact for leaves (never an
-    output) and for built-in ops (each node's saves are packed after the node is
-    made and before the next one is); a custom Function's saves are packed after
-    its forward, which may have made other nodes, so any custom Function output
-    may be one."""
-    g = t.grad_fn
-    if g is None:
-        return False
-    return g._sequence_nr() == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
-
-
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
     ``debug=True`` it is always replayed, then compared with the saved tensor."""
@@ -194,7 +116,7 @@ def materialize(h: Handle) -> Tensor:
     if h.view is not None:
         with _recorder.paused(), below_autograd():
             value = h.view.apply(value)
-    if h.check is not None and not _same(value, h.check):
+    if h.check is not None and not same_values(value, h.check):
         raise RecomputeError(
             f"gradient_scope (debug): the recomputed {h.var.describe()} differs from the "
             "tensor autograd saved, whose version did not change: it was written through "
@@ -203,22 +125,6 @@ def materialize(h: Handle) -> Tensor:
             "read until backward has run."
         )
     return value
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    if a.device.type == "cpu":
-        return bool(torch.equal(a, b))
-    return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True))
-
-
-def _live(var: Var) -> Tensor | None:
-    """The tensor ``var`` stands for, if alive and unchanged (an inference tensor,
-    which has no version counter, is recomputed instead)."""
-    if _LIVE.get(var.key) is var:
-        t: Tensor | None = var()
-        if t is not None and not t.is_inference() and t._version == var.version and not moved(var, t):
-            return t
-    return None
 
 
 class _Pass:
@@ -255,29 +161,6 @@ class _Pass:
                 self.cache.pop(key, None)
 
 
-def _wanted(
-    derived: Derived, record: BlockRecord, refs: list[tuple[Ref, ...]], ps: _Pass, h: Handle, plan: set[int]
-) -> tuple[dict[Var, list[Handle]], dict[Var, list[Handle]]]:
-    """What the other pending handles will ask for that this plan makes: their
-    own values (targets), and values their own replays would read (frontier)."""
-    targets: dict[Var, list[Handle]] = {}
-    frontier: dict[Var, list[Handle]] = {}
-    for ref in list(ps.pending.values()):
-        h2 = ref()
-        if h2 is None or h2 is h:
-            continue
-        n2 = h2.var
-        if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
-            continue
-        if n2.op in plan:
-            targets.setdefault(n2, []).append(h2)
-            continue
-        for i, r in derived.reads_of(record, refs, n2):
-            if r.op in plan and i not in plan:
-                frontier.setdefault(r, []).append(h2)
-    return targets, frontier
-
-
 class ReplayState:
     """Replay bookkeeping of one block: its pending handles, the current pass's
     cache, what replay derives from its record. Only this class writes them, under
@@ -293,36 +176,13 @@ class ReplayState:
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
 
-    def handle(self, entry: Entry, t: Tensor, view: ViewSpec | None) -> Handle | None:
-        """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it."""
-        var: Var = entry  # type: ignore[assignment]
-        root = var.root
-        if isinstance(root, Input):
-            return None  # a view of an outside tensor: storing it costs nothing extra
-        record = self.record
-        if record is None:
-            return None  # released (P7): the block cannot be replayed any more
-        if root in record.escaped:
-            return None  # another member may be written after the block unseen (P8)
-        base = t if view is None else t._base
-        if base is not None and moved(var, base):
-            return None  # its data was swapped after the block (`.data = ...`)
-        v = t._version
-        writes = root.writes
-        if v != (writes[-1][1] if writes else var.version):
-            return None  # changed by something the block did not record (e.g. after it)
-        new_output = may_be_new_output(t)
-        # debug=True compares the value at unpack with what autograd itself would hand back.
-        check = None
-        if var.frame.debug and var not in record.scratch:
-            check = t.detach() if new_output else t
-        h = Handle(self, entry, var, v, view, check, view is None and not new_output)
+    def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
+        """A pending handle standing for ``var`` saved at ``version`` (the save path
+        decided it is one: S1 in ``_pack``)."""
+        h = Handle(self, var, var, version, view, check, itself)
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
             self.handles += 1
-        stats = var.frame.stats
-        stats.tensors_packed += 1
-        stats.bytes_packed += t.numel() * t.element_size()
         return h
 
     def replay(self, h: Handle) -> Tensor:
@@ -339,9 +199,7 @@ class ReplayState:
                 raise inplace_error(var.describe(), h.version, post)
         record = self.record
         if record is None:  # P7: a live handle keeps its record
-            raise RecomputeError(
-                "gradient_scope: internal error: a block record was released early. Please report this."
-            )
+            internal_error("a block record was released early")
         root = var.root
         escaped = record.escaped.get(root, {}) if isinstance(root, Var) else {}
         for member, version in escaped.items():  # P8
@@ -356,37 +214,34 @@ class ReplayState:
         with self.lock:
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None
-            key = (var, len(var.root.writes))
-            if ps is not None:
-                cached = ps.cache.get(key)
-                if cached is not None:
-                    self._served(ps, h)
-                    return cached
-            cache = ps.cache if ps is not None else {}
-
-            def available(r: Var) -> bool:
-                return (r, 0) in cache or _live(r) is not None
-
-            refs = self.derived.op_refs(record)
-            plan = closure(refs, var, len(record.ops), available)
-            code = self.derived.compiled(record, plan)
             if ps is None:
                 with _recorder.paused(), torch.enable_grad(), below_autograd():
-                    return run_plan(record, refs, code, plan, var, cache, (), {}, self._freed)
-            targets, frontier = _wanted(self.derived, record, refs, ps, h, set(plan))
-            produced: dict[Var, Tensor] = {}
-            keep = targets.keys() | frontier.keys()
+                    return replay(record, self.derived, var, {}, ())[0]
+            cached = ps.cache.get((var, len(var.root.writes)))
+            if cached is not None:
+                self._served(ps, h)
+                return cached
             with _recorder.paused(), torch.enable_grad(), below_autograd():
-                value = run_plan(record, refs, code, plan, var, cache, keep, produced, self._freed)
-            for n, v in produced.items():
-                k = len(n.root.writes)
-                for h2 in targets.get(n, ()):
-                    ps.hold(h2, (n, k), v)
-                if not n.root.writes:
-                    for h2 in frontier.get(n, ()):
-                        ps.hold(h2, (n, 0), v)
+                value, holds = replay(record, self.derived, var, ps.cache, self._wanted(ps, h))
+            for holder, key, v in holds:
+                ps.hold(holder, key, v)
             self._served(ps, h)
             return value
+
+    @staticmethod
+    def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
+        """The values the other pending handles of the pass will ask for that are
+        neither cached nor in memory (P4), with the handle that will ask."""
+        out: list[tuple[Var, Handle]] = []
+        for ref in list(ps.pending.values()):
+            h2 = ref()
+            if h2 is None or h2 is h:
+                continue
+            n2 = h2.var
+            if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
+                continue
+            out.append((n2, h2))
+        return out
 
     def dropped(self, hid: int) -> None:
         """Handle ``hid`` died: it releases what it held in the current pass; once
@@ -437,7 +292,3 @@ class ReplayState:
         ps.serve(h)
         if not ps.pending:
             self.current = None  # nothing left to serve in this pass: free the cache
-
-    @staticmethod
-    def _freed(t: Tensor) -> bool:
-        return any(fn(t) for fn in _freed_storage_handlers)

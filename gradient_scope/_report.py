@@ -40,8 +40,8 @@ from ._pack import Foreign, Stored, add_pack_listener, unpack
 from ._torch_compat import (
     innermost_function_mode,
     remove_function_mode_from_under,
+    storage_id,
     top_saved_hooks,
-    without_python_dispatch,
     without_torch_function,
 )
 
@@ -49,8 +49,6 @@ __all__ = ["SavedTensorsReport", "SavedTensorsRow", "saved_tensors_report"]
 
 _NO_MODULE = "(no module)"
 _UNKNOWN_OP = "(unknown)"
-_no_python_dispatch = without_python_dispatch
-_no_torch_function = without_torch_function
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ def _storage_of(t: torch.Tensor) -> tuple[int, Any, int]:
     if storage is None:
         # No storage (sparse, some subclasses): the tensor's logical size, per tensor object.
         return -id(t), weakref.ref(t), t.numel() * t.element_size()
-    return storage._cdata, StorageWeakRef(storage), storage.nbytes()
+    return storage_id(t), StorageWeakRef(storage), storage.nbytes()
 
 
 def _expired(ref: Any) -> bool:
@@ -176,6 +174,36 @@ def _fmt_bytes(n: int) -> str:
             break
         value, unit = value / 1024, bigger
     return f"{value:.2f} {unit}"
+
+
+def _format_table(stored: int, recomputable: int, rows: list[SavedTensorsRow], top: int | None) -> str:
+    """The text table of a report's rows and totals; ``top`` limits it to the largest rows."""
+    shown = rows if top is None else rows[:top]
+    header = ("module", "op", "count", "stored", "recomputable")
+    lines = [
+        (r.module, r.op, str(r.count), _fmt_bytes(r.stored_bytes), _fmt_bytes(r.recomputable_bytes)) for r in shown
+    ]
+    if len(shown) < len(rows):
+        rest = rows[len(shown) :]
+        lines.append(
+            (
+                f"... {len(rest)} more rows",
+                "",
+                str(sum(r.count for r in rest)),
+                _fmt_bytes(sum(r.stored_bytes for r in rest)),
+                _fmt_bytes(sum(r.recomputable_bytes for r in rest)),
+            )
+        )
+    total = ("total", "", str(sum(r.count for r in rows)), _fmt_bytes(stored), _fmt_bytes(recomputable))
+    widths = [max(len(x[i]) for x in (header, total, *lines)) for i in range(5)]
+
+    def fmt(cols: tuple[str, ...]) -> str:
+        left = [c.ljust(w) for c, w in zip(cols[:2], widths[:2], strict=True)]
+        right = [c.rjust(w) for c, w in zip(cols[2:], widths[2:], strict=True)]
+        return "  ".join(left + right).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(header), rule, *map(fmt, lines), rule, fmt(total)])
 
 
 class _ModuleStack:
@@ -331,33 +359,7 @@ class SavedTensorsReport:
 
     def table(self, top: int | None = None) -> str:
         """The report as a text table; ``top`` limits it to the largest rows."""
-        stored, recomputable, rows = self._compute()
-        shown = rows if top is None else rows[:top]
-        header = ("module", "op", "count", "stored", "recomputable")
-        lines = [
-            (r.module, r.op, str(r.count), _fmt_bytes(r.stored_bytes), _fmt_bytes(r.recomputable_bytes)) for r in shown
-        ]
-        if len(shown) < len(rows):
-            rest = rows[len(shown) :]
-            lines.append(
-                (
-                    f"... {len(rest)} more rows",
-                    "",
-                    str(sum(r.count for r in rest)),
-                    _fmt_bytes(sum(r.stored_bytes for r in rest)),
-                    _fmt_bytes(sum(r.recomputable_bytes for r in rest)),
-                )
-            )
-        total = ("total", "", str(sum(r.count for r in rows)), _fmt_bytes(stored), _fmt_bytes(recomputable))
-        widths = [max(len(x[i]) for x in (header, total, *lines)) for i in range(5)]
-
-        def fmt(cols: tuple[str, ...]) -> str:
-            left = [c.ljust(w) for c, w in zip(cols[:2], widths[:2], strict=True)]
-            right = [c.rjust(w) for c, w in zip(cols[2:], widths[2:], strict=True)]
-            return "  ".join(left + right).rstrip()
-
-        rule = "  ".join("-" * w for w in widths)
-        return "\n".join([fmt(header), rule, *map(fmt, lines), rule, fmt(total)])
+        return _format_table(*self._compute(), top)
 
     def __str__(self) -> str:
         return self.table()
@@ -396,7 +398,7 @@ class SavedTensorsReport:
             recomputable = self._handled == id(t)  # the listener has recorded it
             self._handled = 0
         if not recomputable and self._state == "open" and threading.get_ident() == self._thread:
-            with _no_torch_function():
+            with without_torch_function():
                 self._record(t, False)
         return packed
 
@@ -404,7 +406,7 @@ class SavedTensorsReport:
         # A scope pair above ours turned ``t`` into a handle (stored and passed-on
         # tensors reach our own pack through the scope's pair).
         if self._state == "open" and threading.get_ident() == self._thread:
-            with _no_torch_function():
+            with without_torch_function():
                 self._record(t, True)
             self._handled = id(t)
 

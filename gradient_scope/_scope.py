@@ -12,12 +12,13 @@ import torch
 
 from . import _interception, _recorder
 from ._entry import OpenBlock
+from ._errors import check_bool
 from ._record import BlockRecord, Frame
 from ._replay import ReplayState
 from ._stats import ScopeStats
 from .policies import as_save_policy
 
-__all__ = ["recompute_scope", "recompute"]
+__all__ = ["recompute_scope", "recompute", "set_traced_block"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,10 +27,21 @@ _serials = itertools.count(1)  # one per block entered, in entry order (I2)
 _dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"recompute_scope: {name} must be a bool, got {type(value).__name__} ({value!r})")
-    return value
+# What a scope is while dynamo traces (``_compile.traced_block``), registered by the
+# package (``gradient_scope/__init__``): the adapter sits above this module.
+_traced_block: list[Callable[..., Any]] = []
+
+
+def set_traced_block(fn: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``fn(*args, **options)`` build a scope while dynamo traces (None: run it
+    eagerly). Returns a function that removes it."""
+    _traced_block[:] = [fn]
+
+    def remove() -> None:
+        if _traced_block == [fn]:
+            _traced_block.clear()
+
+    return remove
 
 
 class recompute_scope:
@@ -71,10 +83,8 @@ class recompute_scope:
     def __new__(cls, *args: Any, **options: Any) -> Any:
         # While dynamo traces, a scope is an annotation of the compiled graph
         # (gradient_scope._compile); None there means "run it eagerly".
-        if _dynamo_compiling():
-            from . import _compile
-
-            block = _compile.traced_block(*args, **options)
+        if _dynamo_compiling() and _traced_block:
+            block = _traced_block[0](*args, **options)
             if block is not None:
                 return block
         return super().__new__(cls)
@@ -88,10 +98,10 @@ class recompute_scope:
         debug: bool = False,
     ) -> None:
         self._options: dict[str, Any] = dict(
-            preserve_rng_state=_check_bool("preserve_rng_state", preserve_rng_state),
+            preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
             save=save,
-            enabled=_check_bool("enabled", enabled),
-            debug=_check_bool("debug", debug),
+            enabled=check_bool("recompute_scope", "enabled", enabled),
+            debug=check_bool("recompute_scope", "debug", debug),
         )
         self._save = as_save_policy(save)
         self._stats = ScopeStats()

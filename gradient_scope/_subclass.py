@@ -14,16 +14,25 @@ from collections.abc import Iterator
 
 import torch
 
-from ._torch_compat import is_traceable_wrapper_subclass
+from ._torch_compat import is_traceable_wrapper_subclass, storage_id
 
-__all__ = ["is_wrapper", "data_tensors", "data_tensor", "storage_freed"]
+__all__ = [
+    "PLAIN",
+    "is_wrapper",
+    "data_tensors",
+    "data_tensor",
+    "storage_freed",
+    "data_storage_id",
+    "data_address",
+]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The tensor types that are never wrappers.
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_wrapper(t: torch.Tensor) -> bool:
     """True for a tensor whose data lives in inner tensors (e.g. a DTensor)."""
-    return type(t) not in _PLAIN and is_traceable_wrapper_subclass(t)
+    return type(t) not in PLAIN and is_traceable_wrapper_subclass(t)
 
 
 def data_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -55,3 +64,23 @@ def storage_freed(t: torch.Tensor) -> bool:
     if not is_wrapper(t):
         return _freed_plain(t)
     return any(_freed_plain(d) for d in data_tensors(t))
+
+
+def data_storage_id(t: torch.Tensor) -> int | None:
+    """Which storage holds ``t``'s data (``_torch_compat.storage_id`` of its first
+    plain tensor); None for a tensor without one (sparse)."""
+    try:
+        return storage_id(data_tensor(t))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def data_address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data is in memory: the address of the storage holding it, which
+    two storage objects over the same memory (``torch.from_numpy`` of one array
+    twice) share; None for tensors without one (sparse) or with a freed one."""
+    try:
+        storage = data_tensor(t).untyped_storage()  # a wrapper's own storage has no data
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr() if storage.nbytes() else None

@@ -3,9 +3,13 @@
 Each name below is read once, at import, so that a PyTorch without it fails
 here rather than deep inside a hook; ``_torch_floor`` turns the oldest such
 gap (2.8: ``_top_saved_tensors_default_hooks``) into an ImportError first. All
-names exist in 2.8.0 through 2.15.0; ``skip_dynamo`` and ``in_compiled_code``
-degrade gracefully where their pieces are missing. Optional integrations (FSDP2 in ``_fsdp``, ``torch.compile`` in
-``_compile``) keep their own private imports, behind their own guards.
+names exist in 2.8.0 through 2.15.0; ``in_compiled_code`` degrades gracefully
+where its pieces are missing. Each shim names the torch source it relies on.
+
+Outside this module, only the adapters use private APIs, of what they adapt
+(FSDP2 internals in ``_fsdp``, dynamo and AOTAutograd in ``_compile``), behind
+their own guards. ``Tensor._version`` and ``Tensor._base``, documented in
+PyTorch's autograd notes and read on the hot paths, are used directly.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ __all__ = [
     "TorchDispatchMode",
     "get_alias_info",
     "is_traceable_wrapper_subclass",
-    "dynamo_disabled",
+    "neg_view",
+    "node_sequence_nr",
+    "storage_id",
+    "overload_kernel",
+    "op_schema",
+    "op_overload_name",
+    "op_qualified_name",
     "HookPair",
     "push_saved_hooks",
     "pop_saved_hooks",
@@ -196,24 +206,15 @@ def remove_mode_from_under(mode: Any) -> None:
     getattr(pd, "set_is_in_mode_without_ignore_compile_internals")(flags[2])  # noqa: B009
 
 
-def dynamo_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` wrapped so that dynamo never traces it nor what it calls (the form
-    TorchDispatchMode gives ``__torch_dispatch__`` by default)."""
-    return getattr(torch, "_disable_dynamo")(fn, recursive=True)  # type: ignore[no-any-return]  # noqa: B009
-
-
-def skip_dynamo(code: Any) -> bool:
+def skip_dynamo(code: Any) -> None:
     """Tell dynamo never to trace ``code`` nor anything it calls (what
     ``torch._dynamo.disable(fn, recursive=True)`` does, without a wrapper call per
-    use); False on a torch without per-code strategies (before 2.6)."""
-    try:
-        import torch._dynamo.eval_frame as ef
+    use). Relies on ``set_code_exec_strategy``, ``FrameAction`` and
+    ``FrameExecStrategy`` of ``torch/_dynamo/eval_frame.py`` (2.6+; the floor is 2.8)."""
+    import torch._dynamo.eval_frame as ef
 
-        skip = getattr(ef, "FrameAction").SKIP  # noqa: B009  (not re-exported: getattr)
-        getattr(ef, "set_code_exec_strategy")(code, getattr(ef, "FrameExecStrategy")(skip, skip))  # noqa: B009
-    except (ImportError, AttributeError):
-        return False
-    return True
+    skip = getattr(ef, "FrameAction").SKIP  # noqa: B009  (not re-exported: getattr)
+    getattr(ef, "set_code_exec_strategy")(code, getattr(ef, "FrameExecStrategy")(skip, skip))  # noqa: B009
 
 
 _AOT_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
@@ -268,3 +269,43 @@ def remove_function_mode_from_under(mode: Any) -> None:
 
 
 SEEDED_TAG = torch.Tag.nondeterministic_seeded
+
+# ---------------------------------------------------------------- tensors, nodes, ops
+
+#: ``torch._neg_view(t)``: ``t`` with its negative bit set (native_functions.yaml: ``_neg_view``).
+neg_view: Callable[[torch.Tensor], torch.Tensor] = torch._neg_view
+
+
+def node_sequence_nr(node: Any) -> int:
+    """The sequence number of autograd node ``node`` (``torch/autograd/graph.py``:
+    ``Node._sequence_nr``)."""
+    return node._sequence_nr()  # type: ignore[no-any-return]
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: the address of its StorageImpl, the same
+    for every Python object of it (``torch/storage.py``: ``_cdata``)."""
+    return t.untyped_storage()._cdata  # type: ignore[no-any-return]
+
+
+def overload_kernel(func: Any) -> Any:
+    """The C++ callable behind an ``OpOverload`` (``torch/_ops.py``: ``OpOverload._op``;
+    calling it skips ``OpOverload.__call__``'s Python frame)."""
+    return func._op
+
+
+def op_schema(op: Any) -> Any:
+    """The ``FunctionSchema`` of an ``OpOverload`` (``torch/_ops.py``: ``OpOverload._schema``),
+    or None for anything else."""
+    return getattr(op, "_schema", None)
+
+
+def op_overload_name(op: Any) -> str:
+    """The overload name of an ``OpOverload`` (``torch/_ops.py``: ``OpOverload._overloadname``)."""
+    return op._overloadname  # type: ignore[no-any-return]
+
+
+def op_qualified_name(op: Any) -> Any:
+    """``"namespace::name"`` of an ``OpOverloadPacket`` (``torch/_ops.py``:
+    ``OpOverloadPacket._qualified_op_name``), or None for anything else."""
+    return getattr(op, "_qualified_op_name", None)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import OpOverload, OpOverloadPacket
+from ._torch_compat import OpOverload, OpOverloadPacket, op_overload_name, op_qualified_name, op_schema
 
 __all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any", "as_save_policy"]
 
@@ -126,13 +126,13 @@ _ATTENTION_EXTRA = frozenset(
 def _aten_name(op: Any) -> str | None:
     """``"mm"`` for ``torch.ops.aten.mm.default``; None for non-aten ops and for
     overloads that write to one of their arguments (in-place / ``out=``)."""
-    schema = getattr(op, "_schema", None)
+    schema = op_schema(op)
     if schema is not None:
         if schema.is_mutable:
             return None
         qualified = schema.name
     else:  # an OpOverloadPacket, if someone asks about one
-        qualified = getattr(op, "_qualified_op_name", None)
+        qualified = op_qualified_name(op)
         if not isinstance(qualified, str):
             return None
     namespace, sep, name = str(qualified).partition("::")
@@ -236,8 +236,8 @@ def save_matmuls(op: Any) -> bool:
 def _op_key(op: Any) -> tuple[str, str | None]:
     """(qualified name, overload name or None for a packet): a picklable op name."""
     if isinstance(op, OpOverload):
-        return op._schema.name, op._overloadname
-    return op._qualified_op_name, None
+        return op_schema(op).name, op_overload_name(op)
+    return op_qualified_name(op), None
 
 
 def _op_from_key(qualified: str, overload: str | None) -> Any:
