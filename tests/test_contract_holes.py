@@ -1,5 +1,5 @@
 """Regression tests for issue 8, "Never silently wrong": every class of program where a
-scope broke the contract (API.md) on torch 2.13 CPU.
+scope broke the contract (docs/concepts.md) on torch 2.13 CPU.
 
 The rule checked everywhere: the scoped program returns exactly what the same program
 returns without any scope (``torch.equal``, same seed), or it raises ``RecomputeError``.
@@ -640,7 +640,7 @@ def test_block_tensor_written_after_block_then_dropped(route, debug, saved):
 @pytest.mark.parametrize(("route", "debug"), _cases(NO_SET, set(NO_SET)))
 def test_block_tensor_written_after_block_kept_alive(route, debug, saved):
     """The same write, but the user keeps the block tensor until backward: a live block
-    tensor is used as it is (API.md), so backward sees the written values, as in the plain
+    tensor is used as it is (docs/concepts.md), so backward sees the written values, as in the plain
     program.  Visible in every mode."""
 
     def program(scope):

@@ -1,4 +1,4 @@
-"""Decorator forms (API.md §3), enabled=False, and misuse (§5)."""
+"""Decorator forms (docs/api.md), enabled=False, and misuse (docs/troubleshooting.md)."""
 
 import weakref
 

@@ -1,4 +1,4 @@
-"""In-place operations inside and after a block, BatchNorm, and the errors of API.md §5."""
+"""In-place operations inside and after a block, BatchNorm, and the errors of docs/troubleshooting.md."""
 
 import gc
 import weakref

@@ -1,4 +1,4 @@
-"""Misuse and failures (API.md sections 2 and 5): re-entering a scope object, exiting out
+"""Misuse and failures (docs/api.md and docs/troubleshooting.md): re-entering a scope object, exiting out
 of order, invalid options, an exception in the block, an exception during replay, a replay
 of a different shape, a debug=True value mismatch.  After each: the saved-tensor hook
 stack, the dispatch mode stack and grad mode are as before, and a later training step
