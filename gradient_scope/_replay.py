@@ -53,7 +53,7 @@ from . import _recorder
 from ._errors import RecomputeError, inplace_error, internal_error
 from ._plan import Derived, replay, same_values
 from ._record import BlockRecord, Var, ViewSpec, moved
-from ._registry import Entry, tensor_of, value_in_memory
+from ._registry import tensor_of, value_in_memory
 from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
 
 __all__ = ["Handle", "ReplayState", "materialize"]
@@ -64,12 +64,11 @@ Tensor = torch.Tensor
 class Handle:
     """Stands in for a block tensor that autograd saved."""
 
-    __slots__ = ("state", "entry", "var", "version", "view", "check", "itself", "__weakref__")
+    __slots__ = ("state", "var", "version", "view", "check", "itself", "__weakref__")
 
     def __init__(
         self,
         state: ReplayState,
-        entry: Entry,
         var: Var,
         version: int,
         view: ViewSpec | None,
@@ -77,8 +76,7 @@ class Handle:
         itself: bool,
     ) -> None:
         self.state = state
-        self.entry = entry  # the registry entry of the tensor (or of the view's base)
-        self.var = var
+        self.var = var  # of the tensor (or of the view's base); also its registry entry
         self.version = version  # of the tensor when autograd saved it
         self.view = view
         self.check = check  # debug=True: an alias of the saved tensor, compared at unpack
@@ -101,10 +99,10 @@ class Handle:
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
     ``debug=True`` it is always replayed, then compared with the saved tensor."""
-    t = h.entry()
+    t = h.var()
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
-    t = value_in_memory(h.entry, h.version) if h.check is None else None
+    t = value_in_memory(h.var, h.version) if h.check is None else None
     if t is not None and not h.itself and moved(h.var, t):
         t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
@@ -179,7 +177,7 @@ class ReplayState:
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
         """A pending handle standing for ``var`` saved at ``version`` (the save path
         decided it is one: S1 in ``_pack``)."""
-        h = Handle(self, var, var, version, view, check, itself)
+        h = Handle(self, var, version, view, check, itself)
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
             self.handles += 1
@@ -238,7 +236,7 @@ class ReplayState:
             if h2 is None or h2 is h:
                 continue
             n2 = h2.var
-            if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.entry, h2.version) is not None:
+            if (n2, len(n2.root.writes)) in ps.cache or value_in_memory(h2.var, h2.version) is not None:
                 continue
             out.append((n2, h2))
         return out

@@ -10,6 +10,8 @@ Outside this module, only the adapters use private APIs, of what they adapt
 (FSDP2 internals in ``_fsdp``, dynamo and AOTAutograd in ``_compile``), behind
 their own guards. ``Tensor._version`` and ``Tensor._base``, documented in
 PyTorch's autograd notes and read on the hot paths, are used directly.
+``_torch_floor`` reads the oldest of these APIs before this module is imported,
+to fail with a message that names the torch floor.
 """
 
 from __future__ import annotations
