@@ -13,8 +13,12 @@ class ScopeStats:
 
     Each field has one writer: ``ops_recorded`` and ``ops_saved`` are counted by the recorder,
     ``tensors_packed``/``bytes_packed`` by the pack hook, ``replays``/``ops_replayed``
-    by replay. Under ``torch.compile`` nothing is recorded in Python: the
-    counters of a scope inside compiled code stay 0.
+    by replay. Under ``torch.compile`` nothing is recorded in Python: the stats of a
+    scope inside compiled code are filled once, when the graph is compiled for
+    training (``ops_recorded``: the block's ops in the compiled forward graph;
+    ``tensors_packed``/``bytes_packed``: the block tensors the compiled backward
+    recomputes instead of saving), and ``replays``, ``ops_replayed`` and ``ops_saved``
+    stay 0.
 
     Example::
 
