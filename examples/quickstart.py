@@ -12,7 +12,8 @@ AdamW on random tokens, twice, from the same seed:
   numbers) from the tensors the block read.
 
 For each variant the script prints the memory autograd holds after the forward pass,
-the peak memory of forward + backward, and the median step time; then the largest
+the peak memory of forward + backward, and the median step time (the two variants'
+steps interleaved, after warm-up); then the ratio of their step times, and the largest
 difference between the two variants' gradients after the first backward (0.0 on CPU:
 recomputation is bitwise exact). Last, the largest rows of a ``saved_tensors_report()``
 of each variant's first forward: what autograd saves, by module and op, and how much of
@@ -34,7 +35,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from gradient_scope import recompute_scope, saved_tensors_report
 
 VOCAB, CONTEXT, D_MODEL, N_HEAD, N_LAYER = 512, 128, 128, 4, 3
-BATCH, STEPS, DROPOUT, SEED = 8, 5, 0.1, 0
+BATCH, DROPOUT, SEED = 8, 0.1, 0
+WARMUP, ROUNDS = 3, 20  # step timing: untimed warm-up rounds, then timed interleaved rounds
 
 
 def scope(recompute: bool):
@@ -169,63 +171,107 @@ def check_memory_probe():
 
 
 # ------------------------------------------------------------------------ training
+#
+# Both variants train side by side from the same seed: the same weights, the same data and,
+# because the RNG is reseeded before every step, the same dropout masks. Step 0 of each is
+# profiled (memory, what autograd saves, first gradients) and not timed. Step times come
+# from interleaved rounds: each round runs one step of each variant, in alternating order,
+# so that load from other processes and CPU frequency changes hit both alike. The first
+# WARMUP rounds are not timed (allocator and first-call costs).
 
 
-def train(make_model) -> dict:
-    torch.manual_seed(SEED)  # same weights, same data, same dropout masks in every run
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    tokens = torch.randint(VOCAB, (STEPS, BATCH, CONTEXT + 1))  # synthetic data
-    result = {"times": [], "losses": []}
-    for step in range(STEPS):
-        x, y = tokens[step, :, :-1].contiguous(), tokens[step, :, 1:].contiguous()
-        opt.zero_grad(set_to_none=True)
-        if step == 0:  # profiled step: memory, what autograd saves, first gradients; not timed
-            def forward():
-                # The report only observes (it holds no tensors): same held/peak without it.
-                with saved_tensors_report() as result["report"]:
-                    return model(x, y)
+class Run:
+    """One variant: its model, optimizer and what its steps measured."""
 
-            loss, result["held"], result["peak"] = profile_memory(forward, lambda loss: loss.backward())
-            result["grads"] = [p.grad.clone() for p in model.parameters()]
-            opt.step()
-        else:
-            t0 = time.perf_counter()
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            result["times"].append(time.perf_counter() - t0)
-        result["losses"].append(loss.item())
-        del loss
-    return result
+    def __init__(self, make_model):
+        torch.manual_seed(SEED)  # same weights in every variant
+        self.model = make_model()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, step: int, x, y) -> float:
+        """One training step (forward, backward, AdamW); returns its wall time in seconds."""
+        torch.manual_seed(SEED + step)  # same dropout masks in both variants
+        self.opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        elapsed = time.perf_counter() - t0
+        self.losses.append(loss.item())
+        return elapsed
+
+    def profiled_step(self, x, y) -> None:
+        torch.manual_seed(SEED)
+        self.opt.zero_grad(set_to_none=True)
+
+        def forward():
+            # The report only observes (it holds no tensors): same held/peak without it.
+            with saved_tensors_report() as self.report:
+                return self.model(x, y)
+
+        loss, self.held, self.peak = profile_memory(forward, lambda loss: loss.backward())
+        self.grads = [p.grad.clone() for p in self.model.parameters()]
+        self.opt.step()
+        self.losses.append(loss.item())
+
+
+def train(makers: dict) -> dict:
+    """Train one model per ``name -> make_model`` side by side; returns ``name -> Run``."""
+    torch.manual_seed(SEED)
+    tokens = torch.randint(VOCAB, (1 + WARMUP + ROUNDS, BATCH, CONTEXT + 1))  # synthetic data
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    runs = {name: Run(make) for name, make in makers.items()}
+    for run in runs.values():
+        run.profiled_step(*batches[0])
+    variants = list(runs.values())
+    for step in range(1, 1 + WARMUP + ROUNDS):
+        # Each round starts with another variant (a rotation), so none always runs first.
+        order = variants[step % len(variants) :] + variants[: step % len(variants)]
+        for run in order:
+            elapsed = run.step(step, *batches[step])
+            if step > WARMUP:
+                run.times.append(elapsed)
+    return runs
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return q1, median, q3
 
 
 def main():
     check_memory_probe()
-    runs = {"plain": train(lambda: GPT(recompute=False)), "scoped": train(lambda: GPT(recompute=True))}
+    runs = train({"plain": lambda: GPT(recompute=False), "scoped": lambda: GPT(recompute=True)})
+    plain, scoped = runs["plain"], runs["scoped"]
 
     MiB = 2**20
     print(f"GPT: {N_LAYER} layers, d={D_MODEL}, {N_HEAD} heads, batch {BATCH} x {CONTEXT} tokens")
     print(f"{'variant':<8} {'held after forward':>20} {'peak fwd+bwd':>14} {'median step':>13}")
     for name, r in runs.items():
-        step_ms = 1e3 * statistics.median(r["times"])
-        print(f"{name:<8} {r['held'] / MiB:>16.2f} MiB {r['peak'] / MiB:>10.2f} MiB {step_ms:>10.1f} ms")
-    saved = 1 - runs["scoped"]["held"] / runs["plain"]["held"]
-    print(f"activation memory saved by recompute_scope: {saved:.0%}")
-
-    grad_diff = max(
-        (gp - gs).abs().max().item()
-        for gp, gs in zip(runs["plain"]["grads"], runs["scoped"]["grads"])
+        step_ms = 1e3 * statistics.median(r.times)
+        print(f"{name:<8} {r.held / MiB:>16.2f} MiB {r.peak / MiB:>10.2f} MiB {step_ms:>10.1f} ms")
+    print(f"activation memory saved by recompute_scope: {1 - scoped.held / plain.held:.0%}")
+    q1, ratio, q3 = quartiles([s / p for p, s in zip(plain.times, scoped.times)])
+    print(
+        f"step time scoped / plain: {ratio:.2f}x (median of {ROUNDS} interleaved rounds after "
+        f"{WARMUP} warm-up rounds; quartiles {q1:.2f}x-{q3:.2f}x)"
     )
+    if q3 - q1 > 0.2 * ratio:
+        print("  (the quartiles are far apart: other processes loaded this machine; rerun on an idle one)")
+
+    grad_diff = max((gp - gs).abs().max().item() for gp, gs in zip(plain.grads, scoped.grads))
     print(f"max |grad difference| after the first backward: {grad_diff}")
-    print(f"losses  plain: {[round(v, 4) for v in runs['plain']['losses']]}")
-    print(f"losses scoped: {[round(v, 4) for v in runs['scoped']['losses']]}")
+    print(f"losses identical in all {len(plain.losses)} steps: {plain.losses == scoped.losses}")
+    print(f"losses  plain: {[round(v, 4) for v in plain.losses[:5]]} ...")
+    print(f"losses scoped: {[round(v, 4) for v in scoped.losses[:5]]} ...")
 
     # What autograd saves in the first forward, largest (module, op) rows first. Stored
     # bytes count each storage once (parameters that ops save included); recomputable
     # bytes are what the scopes replaced with handles.
     for name, r in runs.items():
-        report = r["report"]
+        report = r.report
         print(
             f"\n{name}: autograd stores {report.stored_bytes / MiB:.2f} MiB; "
             f"recompute handles stand for {report.recomputable_bytes / MiB:.2f} MiB"
