@@ -1,4 +1,5 @@
-"""Memory figures behind the README's caveats, on the quickstart's GPT (one step each).
+"""Memory figures behind the docs' caveats (debug=True, apply_recompute's default check_fn),
+on the quickstart's GPT (one step each).
 
     python -m benchmarks.caveats
 
