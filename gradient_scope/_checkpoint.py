@@ -44,8 +44,9 @@ def checkpoint(
       checkpoint_fn=gradient_scope.checkpoint), check_fn=...)``;
     * Hugging Face transformers models:
       ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``
-      (the method ``gradient_checkpointing_enable()`` calls; its public form
-      always passes torch's checkpoint). Layers checkpoint only in training
+      (the method ``activation_checkpointing_enable()``, formerly
+      ``gradient_checkpointing_enable()``, calls; its public form always passes
+      torch's checkpoint). Layers checkpoint only in training
       mode, as with torch's checkpoint.
 
     Args:

@@ -11,8 +11,11 @@ class RecomputeError(RuntimeError):
     """Raised when a value saved for backward cannot be recomputed faithfully.
 
     The message names the recorded operation and the tensor shape involved and
-    says what to do. Gradients are never silently wrong: when replay cannot
-    reproduce what forward computed, this error is raised instead.
+    says what to do. Gradients are never silently wrong for writes PyTorch can
+    see (its version counter, storage swaps): when replay cannot reproduce what
+    forward computed, this error is raised instead. Writes that bypass the
+    version counter (``.data``, NumPy, ``untyped_storage()``) are seen only with
+    ``recompute_scope(debug=True)``.
 
     Example::
 
