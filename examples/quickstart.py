@@ -175,8 +175,8 @@ def check_memory_probe():
 # Both variants train side by side from the same seed: the same weights, the same data and,
 # because the RNG is reseeded before every step, the same dropout masks. Step 0 of each is
 # profiled (memory, what autograd saves, first gradients) and not timed. Step times come
-# from interleaved rounds: each round runs one step of each variant, in alternating order,
-# so that load from other processes and CPU frequency changes hit both alike. The first
+# from interleaved rounds: each round runs one step of each variant, each round starting
+# with another one, so that load from other processes and CPU frequency changes hit all alike. The first
 # WARMUP rounds are not timed (allocator and first-call costs).
 
 
