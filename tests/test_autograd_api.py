@@ -1,7 +1,8 @@
-"""The autograd entry points with scopes (docs/compatibility.md): ``torch.autograd.grad`` with
-``inputs=``, ``retain_graph=True`` and repeated backward, ``create_graph=True`` (double
-backward), ``gradgradcheck``, ``autograd.grad`` inside the block, and partial replay (only
-the ops a backward needs are replayed).  Ground truth: the plain program, ``torch.equal``."""
+"""The autograd entry points with scopes (``docs/compatibility.md``):
+``torch.autograd.grad`` with ``inputs=``, ``retain_graph=True`` and repeated backward,
+``create_graph=True`` (double backward), ``gradgradcheck``, ``autograd.grad`` inside the
+block, and partial replay (only the ops a backward needs are replayed).  Ground truth:
+the plain program, ``torch.equal``."""
 
 import pytest
 import torch
@@ -246,7 +247,7 @@ def test_second_pass_replays_the_rest():
 
 
 def test_each_op_replayed_at_most_once_per_pass():
-    """API.md: within one backward pass each recorded op is replayed at most once; a
+    """``docs/concepts.md``: within one backward pass each recorded op is replayed at most once; a
     replayed value other still-packed handles depend on is kept until they are served.
     Here exp saves its output h and mul saves h again: two handles of one tensor."""
     a, c = leaves((4,), (4,))

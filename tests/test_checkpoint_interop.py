@@ -1,4 +1,4 @@
-"""Interop with torch.utils.checkpoint (docs/compatibility.md).
+"""Interop with torch.utils.checkpoint (``docs/compatibility.md``).
 
 Every combination of a recompute_scope and torch.utils.checkpoint gives the gradients of
 the plain program (same code, no scope, same seed; ``torch.equal`` on CPU): a scope inside

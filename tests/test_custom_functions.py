@@ -1,6 +1,7 @@
-r"""Custom ``torch.autograd.Function``\ s with scopes: what a Function saves with
-``ctx.save_for_backward`` comes back as autograd would give it without a scope, and
-saving its own output under the scope's hooks keeps nothing alive.
+"""Custom ``torch.autograd.Function`` classes with scopes: block tensors a Function saves with
+``ctx.save_for_backward`` (inside the block or after it) are recomputed and give the
+plain gradients; an outside tensor it saves comes back as itself; saving its own output
+under the scope's hooks keeps nothing alive.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from gradient_scope import recompute_scope
 
 from _contract import leaf
+from conftest import grads, run_both
 
 
 class _ExpSavesOutput(torch.autograd.Function):
@@ -79,3 +81,34 @@ def test_outside_tensor_saved_by_function_comes_back_as_same_object(where):
     seen.clear()
     assert ok, "ctx.saved_tensors does not return the outside tensor itself"
     assert torch.equal(a.grad, b)
+
+
+class _SaveAndUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_custom_function_saving_block_tensors():
+    def program(scope):
+        a = torch.randn(4, 3, requires_grad=True)
+        w = torch.randn(4, 3, requires_grad=True)
+        with scope():
+            x = a.exp()
+            z = _SaveAndUse.apply(x, w)  # saved inside the block
+            u = z.sin()
+        v = _SaveAndUse.apply(u, w)  # block tensor saved by ctx after the block
+        ref = weakref.ref(u)
+        del x, z, u
+        if scope.real:
+            assert ref() is None
+        v.sum().backward()
+        return dict(v=v.detach(), **grads(dict(a=a, w=w)))
+
+    run_both(program)

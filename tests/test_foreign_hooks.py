@@ -1,6 +1,6 @@
 """Foreign saved_tensors_hooks (a recording pair, save_on_cpu) entered around, inside and
 after a scope and exited in every order relative to the scope's tensors dying
-(docs/compatibility.md).
+(``docs/compatibility.md``).
 
 Each scenario is a script of events run by a small driver:
 
@@ -12,7 +12,7 @@ Each scenario is a script of events run by a small driver:
 
 Every op saves tensors of a distinct shape, so a recording pack hook tells block-created
 tensors (shapes (2, 3) and (2, 5)) from the rest. The expected contents of each hook come
-from PyTorch's rule as docs/compatibility.md states it: the innermost open context applies; the scope's
+from PyTorch's rule as ``docs/compatibility.md`` states it: the innermost open context applies; the scope's
 interception counts as entered at ``S+`` and stays until ``die``; while it is innermost,
 block tensors become handles and everything else goes to the innermost open foreign
 hook. No hook receives anything after its own exit.

@@ -37,7 +37,7 @@ check) is rejected, not compared.
 Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 200; derandomized
 (the same examples every run) unless GS_DIFF_RANDOM=1; no shrinking unless
 GS_DIFF_SHRINK=1.  Long run, e.g.
-``GS_DIFF_EXAMPLES=2000 GS_DIFF_RANDOM=1 python -m pytest -q tests/test_differential.py``.
+``GS_DIFF_EXAMPLES=2000 GS_DIFF_RANDOM=1 python -m pytest -q tests/test_fuzz_differential.py``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ DIFF_SETTINGS = settings(
 
 
 # Seen by a check without reading values (version counter, tensor identity); the rest
-# only by debug=True (README limitation), so only in programs whose scopes all debug.
+# only by debug=True (docs/limitations.md), so only in programs whose scopes all debug.
 VISIBLE_WRITES = ("inplace", "set_", "data_assign")
 
 
@@ -254,7 +254,7 @@ def check_program(program: dict, generated: bool = False) -> str:
             # PyTorch's own reference cycle (e.g. `u.copy_(u.cos())`: u's new node reaches
             # CosBackward, which saved u itself) keeps tensors of the plain run alive for
             # ever. debug=True keeps a saved block tensor as autograd does, so the scoped
-            # run keeps them too, and the hooks with them (README, Limitations): the state
+            # run keeps them too, and the hooks with them (docs/limitations.md): the state
             # check cannot pass. Without debug a handle breaks the cycle (test_memory.py).
             if not generated:
                 raise AssertionError(f"test bug: the plain program leaks a reference cycle\nprogram={program!r}")
@@ -282,7 +282,7 @@ def check_program(program: dict, generated: bool = False) -> str:
     if outcome == "RecomputeError":
         # PyTorch's engine keeps the nodes a failed backward had made ready to run (in
         # its thread-local ready queue) until the next backward on this thread: their
-        # handles, hence the hooks, stay until then (README, Limitations).
+        # handles, hence the hooks, stay until then (docs/limitations.md).
         torch.ones((), requires_grad=True).backward()
     left = (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled())
     if left != state0 and failure is None:

@@ -1,4 +1,7 @@
-"""In-place operations inside and after a block, BatchNorm, and the errors of docs/troubleshooting.md."""
+"""In-place operations inside and after a block, BatchNorm, and their errors
+(``docs/troubleshooting.md``); block buffers filled in place (by random fills, ``out=``,
+``copy_``, ...) before or after autograd saved them, and kernels that save a buffer before
+they fill it (``rrelu_with_noise``, fused fake-quantisation)."""
 
 import gc
 import weakref

@@ -1,5 +1,5 @@
-"""Threads (docs/compatibility.md): backward may run in another thread than forward; scopes in
-several threads at once are independent.  Ground truth: the plain program, ``torch.equal``.
+"""Threads (``docs/compatibility.md``): backward may run in another thread than forward;
+scopes in several threads at once are independent.  Ground truth: the plain program, ``torch.equal``.
 """
 
 import threading
@@ -236,9 +236,9 @@ def test_thread_forward_while_other_thread_backward():
 
 
 def test_forward_thread_after_other_thread_dropped_last_tensor():
-    """API.md wants the interception gone once the last block tensor dies. When it dies
+    """``docs/concepts.md`` wants the interception gone once the last block tensor dies. When it dies
     in another thread, nothing can edit this thread's (thread-local) hook stack, so our
-    pair stays -- inert, and torch.func refuses to run (docs/limitations.md) -- until this thread's
+    pair stays -- inert, and torch.func refuses to run (``docs/limitations.md``) -- until this thread's
     next safe point (entering a scope here), after which everything is clean. This test
     pins down that documented limitation."""
     hooks0 = top_hooks()
