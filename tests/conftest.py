@@ -66,7 +66,6 @@ def global_state():
         "saved_tensors_hooks": top_hooks(),
         "dispatch_stack_len": dispatch_depth(),
         "dispatch_mode": _get_current_dispatch_mode(),
-        "patched_functions": patchable(),
         "grad_enabled": torch.is_grad_enabled(),
         "inference_mode": torch.is_inference_mode_enabled(),
         "autocast_cpu": torch.is_autocast_enabled("cpu"),
@@ -80,6 +79,7 @@ def global_state():
 # earlier test leaked an interception, comparing against this baseline (instead of None)
 # keeps that one failure from cascading into every later test.
 _BASELINE = {}
+_BASELINE_PATCHED = []  # patchable() at the start of the current test
 
 
 def baseline_hooks():
@@ -88,8 +88,8 @@ def baseline_hooks():
 
 
 def assert_interception_gone(before=None):
-    """No saved-tensor hooks, dispatch mode or patched function left behind, and the rest
-    of ``global_state()`` unchanged (checked without gc, so a test calls it after dropping
+    """No saved-tensor hooks and no dispatch mode left behind, and the rest of
+    ``global_state()`` unchanged (checked without gc, so a test calls it after dropping
     its tensors): the state is that of ``before`` (default: the start of the test)."""
     before = before if before is not None else _BASELINE
     now = global_state()
@@ -97,6 +97,19 @@ def assert_interception_gone(before=None):
         f"saved-tensor hooks still active: {now['saved_tensors_hooks']}"
     )
     assert now == before, f"global state changed:\nbefore={before}\nnow={now}"
+
+
+def assert_stacks_clean():
+    """The saved-tensor hook stack and the dispatch stack are as at the start of the test,
+    and no PyTorch function is left patched (checked without gc, so a test calls it after
+    dropping its tensors)."""
+    assert top_hooks() == _BASELINE["saved_tensors_hooks"], f"saved-tensor hooks left behind: {top_hooks()}"
+    assert dispatch_depth() == _BASELINE["dispatch_stack_len"], "dispatch mode left on the stack"
+    assert patchable() == _BASELINE_PATCHED[0], (
+        "PyTorch functions left patched (saved_tensors_hooks.__enter__/__exit__, "
+        "autograd.backward/grad, _push/_pop_saved_tensors_default_hooks): "
+        f"{patchable()} != {_BASELINE_PATCHED[0]}"
+    )
 
 
 def _put_back(before):
@@ -122,7 +135,7 @@ def _put_back(before):
 def global_state_as_found():
     """Global state as found, for every test: whatever a test does, ``global_state()`` is
     as before afterwards (once its locals are gone; gc is allowed here, the strict no-gc
-    checks are the tests' own ``assert_interception_gone()``), and the RNG states are put
+    checks are the tests' own ``assert_interception_gone()`` / ``assert_stacks_clean()``), and the RNG states are put
     back.  A test that leaves state behind fails, and the state is put back so that the
     failure does not spread to the following tests."""
     before = global_state()
@@ -130,6 +143,7 @@ def global_state_as_found():
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     _BASELINE.clear()
     _BASELINE.update(before)
+    _BASELINE_PATCHED[:] = [patchable()]
     yield
     torch.set_rng_state(rng)
     if cuda_rng is not None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gradient_scope import recompute_scope
 
 from _interop import run_both_clean
-from conftest import assert_interception_gone, grads, stat
+from conftest import assert_stacks_clean, grads, stat
 
 
 def leaves(*shapes, dtype=torch.float32):
@@ -36,7 +36,7 @@ def test_grad_inputs_subset(subset):
         return dict(y=y.detach(), g=list(gs))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_backward_inputs_subset():
@@ -49,7 +49,7 @@ def test_backward_inputs_subset():
         return grads(dict(b=b, c=c))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_retain_graph_repeated_backward():
     # each pass replays again (a later pass after retain_graph=True replays again)
     assert stat(s, "replays") >= 3
     del scopes, s
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_retain_graph_grad_then_backward():
@@ -92,7 +92,7 @@ def test_retain_graph_grad_then_backward():
         return dict(g1=g1, g2=g2, **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_create_graph_double_backward():
         return dict(ga=ga.detach(), gb=gb.detach(), **grads(dict(a=a, b=b, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_create_graph_third_order():
@@ -129,7 +129,7 @@ def test_create_graph_third_order():
         return dict(g1=g1.detach(), g2=g2.detach(), g3=g3)
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_gradgradcheck_scope_inside():
@@ -145,7 +145,7 @@ def test_gradgradcheck_scope_inside():
     assert torch.autograd.gradcheck(fn, (a, b))
     assert torch.autograd.gradgradcheck(fn, (a, b))
     del a, b
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def test_grad_called_inside_block(create_graph):
         return dict(y=y.detach(), **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_backward_of_earlier_graph_inside_block():
@@ -186,7 +186,7 @@ def test_backward_of_earlier_graph_inside_block():
         return grads(dict(a=a, b=b))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def test_partial_grad_replays_only_needed_ops():
     assert 0 < replayed < recorded, (replayed, recorded)
     assert replayed <= 2, f"replayed {replayed} ops where h1 needs 2"
     del scopes, s
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_second_pass_replays_the_rest():
@@ -243,7 +243,7 @@ def test_second_pass_replays_the_rest():
     # second pass needs everything, once each
     assert total - first <= recorded
     del scopes, s
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_each_op_replayed_at_most_once_per_pass():
@@ -267,4 +267,4 @@ def test_each_op_replayed_at_most_once_per_pass():
     (a.sin().exp() * c).sum().backward()
     assert torch.equal(ga, a.grad)
     del s, y
-    assert_interception_gone()
+    assert_stacks_clean()

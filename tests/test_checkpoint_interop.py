@@ -26,7 +26,7 @@ from torch.utils.checkpoint import (
 )
 
 from _interop import run_both_clean
-from conftest import assert_interception_gone, grads, stat
+from conftest import assert_stacks_clean, grads, stat
 
 REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="nonreentrant")]
 EARLY_STOP = [pytest.param(True, id="early_stop"), pytest.param(False, id="no_early_stop")]
@@ -70,7 +70,7 @@ def test_scope_inside_checkpoint(reentrant, early_stop):
         return dict(loss=loss.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
@@ -93,7 +93,7 @@ def test_whole_checkpointed_function_in_scope(reentrant, early_stop):
         return dict(z=z.detach(), **grads(dict(x=x, w1=w1, w2=w2)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def test_checkpoint_inside_scope(reentrant, early_stop):
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
@@ -142,7 +142,7 @@ def test_nested_scope_checkpoint_scope(reentrant):
         return grads(dict(x=x, w1=w1, w2=w2))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_scope_tensor_into_checkpoint(reentrant, early_stop):
         return dict(y=y.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
@@ -191,7 +191,7 @@ def test_checkpoint_output_read_by_later_scope(reentrant, early_stop):
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
@@ -211,7 +211,7 @@ def test_scope_checkpoint_scope_chain(reentrant):
         return dict(loss=loss.detach(), **grads(dict(x=x, w1=w1, w2=w2, w3=w3)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_scope_inside_selective_checkpoint(early_stop):
         return dict(y=y.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
@@ -271,7 +271,7 @@ def test_selective_checkpoint_inside_scope(early_stop):
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_selective_checkpoint_with_scope_save_option():
@@ -294,7 +294,7 @@ def test_selective_checkpoint_with_scope_save_option():
         return grads(dict(x=x, w1=w1, w2=w2))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_early_stop_abort_inside_open_scope(early_stop):
     assert len(scopes.created) == 2
     assert stat(scopes.created[0], "ops_recorded") >= 4
     del scopes, actual
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
@@ -363,7 +363,7 @@ def test_early_stop_abort_nested_scopes_open(early_stop):
         return dict(outs=outs, **grads(dict(x=x, w=w)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,7 +388,7 @@ def test_checkpoint_retain_graph_twice(reentrant):
         return dict(g1=g1, **grads(dict(x=x, w=w)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
@@ -423,4 +423,4 @@ def test_checkpointed_module_training_steps(reentrant):
         return dict(losses=losses, params=[p.detach().clone() for p in blocks.parameters()])
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()

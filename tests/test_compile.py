@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import gradient_scope._compile as gs_compile
 from gradient_scope import recompute_scope
 
-from conftest import assert_interception_gone, grads
+from conftest import assert_stacks_clean, grads
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
@@ -75,7 +75,7 @@ def test_compiled_fn_inside_scope(backend):
     actual = run(program, backend, True)
     compare(backend, actual, expected, eager=run(program, None, False))
     del actual, expected
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -102,7 +102,7 @@ def test_scope_inside_compiled_fn(backend):
     actual = run(program, backend, True)
     compare(backend, actual, expected, eager=run(program, None, False))
     del actual, expected
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -142,7 +142,7 @@ def test_compiled_module_training_with_scopes(backend):
     actual = run(program, backend, True)
     compare(backend, actual, expected)
     del actual, expected
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_fallback_warns_once_and_runs_eagerly(monkeypatch):

@@ -16,6 +16,7 @@ from gradient_scope import recompute, recompute_scope
 from _contract import leaf, plain_grad
 from conftest import (
     assert_interception_gone,
+    assert_stacks_clean,
     dispatch_depth,
     global_state,
     grads,
@@ -399,7 +400,7 @@ def test_decorated_generator_function(deco):
     try:
         g = DECORATORS[deco](gen)
     except TypeError:
-        assert_interception_gone()
+        assert_stacks_clean()
         return
     assert inspect.isgeneratorfunction(g) or inspect.isgenerator(g(leaf(1))), (
         "decorating a generator function gave a function that is not a generator function"
@@ -420,7 +421,7 @@ def test_decorated_generator_function(deco):
     first = next(it)
     it.close()
     del it, first
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
@@ -433,7 +434,7 @@ def test_decorated_async_function(deco):
     try:
         f = DECORATORS[deco](co)
     except TypeError:
-        assert_interception_gone()
+        assert_stacks_clean()
         return
     assert inspect.iscoroutinefunction(f), "decorating an async def gave a function that is not async"
     a = leaf(5)
@@ -447,7 +448,7 @@ def test_decorated_async_function(deco):
     loss.backward()
     assert torch.equal(a.grad, plain_grad(lambda t: (lambda o: o[0] * o[1] * c)(_drive(co(t))), a))
     del loss
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
@@ -461,7 +462,7 @@ def test_decorated_async_generator(deco):
     try:
         f = DECORATORS[deco](agen)
     except TypeError:
-        assert_interception_gone()
+        assert_stacks_clean()
         return
     assert inspect.isasyncgenfunction(f), "decorating an async generator gave something else"
 
@@ -473,7 +474,7 @@ def test_decorated_async_generator(deco):
     assert _recomputable(outs, 0), "tensor made before the first yield is not recorded"
     assert _recomputable(outs, 1), "tensor made after a resumption is not recorded"
     del outs
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
@@ -488,11 +489,11 @@ def test_decorated_class(deco):
     try:
         C = DECORATORS[deco](Block)
     except TypeError:
-        assert_interception_gone()
+        assert_stacks_clean()
         return
     assert inspect.isclass(C), f"decorating a class returned {type(C).__name__}, not a class"
     m = C()
     assert isinstance(m, C) and isinstance(m, nn.Module)
     a = leaf(5)
     assert _recomputable([m(a)], 0), "the decorated class's forward is not recorded"
-    assert_interception_gone()
+    assert_stacks_clean()

@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-from conftest import assert_interception_gone, stat
+from conftest import assert_stacks_clean, stat
 
 B_SHAPES = {(2, 3), (2, 5)}  # shapes of block-created tensors
 
@@ -233,7 +233,7 @@ def test_recording_hook_receives_per_contract(name, style):
             problems.append(f"{k} differs from the plain program")
     del hooks, scope, actual, plain
     assert not problems, "\n".join(problems)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -245,7 +245,7 @@ def test_save_on_cpu_gradients(name, style):
     del hooks, scope
     for k in plain:
         assert torch.equal(actual[k], plain[k]), k
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def test_literal_with_around_scope_tensors_outlive_hook():
     assert len(got) == n_inside, f"hook received {got[n_inside:]} after its exit"
     del x, m
     y.sum().backward()
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_literal_with_hook_inside_scope():
@@ -300,7 +300,7 @@ def test_literal_with_hook_inside_scope():
     del x, m
     y.sum().backward()
     del y
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_hook_between_nested_scopes():
@@ -335,4 +335,4 @@ def test_hook_between_nested_scopes():
     (p.sin() + y).sum().backward()
     assert torch.equal(ga, a.grad) and torch.equal(gb, b.grad)
     del s1, s2, p, y, loss
-    assert_interception_gone()
+    assert_stacks_clean()

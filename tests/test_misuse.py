@@ -24,6 +24,7 @@ from conftest import (
     PlainScopes,
     Scopes,
     assert_interception_gone,
+    assert_stacks_clean,
     dispatch_depth,
     global_state,
     stat,
@@ -84,8 +85,10 @@ def after_check():
     dropped its tensors), and a later training step with scopes still gives the plain
     program's results."""
     assert_interception_gone()
+    assert_stacks_clean()
     training_step_equals_plain()
     assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -483,7 +486,7 @@ def test_dispatch_mode_left_open_in_block_restores_state():
             scope.__exit__(None, None, None)
         gc.collect()
     assert not problems, "; ".join(problems)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 class _Timeout(Exception):
@@ -545,4 +548,4 @@ def test_copy_of_scope_inside_its_own_block(which):
     gc.collect()
     assert err is None, err
     assert torch.equal(a.grad, plain_grad(lambda t: (lambda s: s * s)(t.sin()), a))
-    assert_interception_gone()
+    assert_stacks_clean()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from gradient_scope import recompute, recompute_scope
 
-from conftest import assert_interception_gone, dispatch_depth, top_hooks
+from conftest import assert_stacks_clean, dispatch_depth, top_hooks
 
 STEPS = 500
 SAMPLES = (100, 200, 300, 400, 500)
@@ -94,4 +94,4 @@ def test_soak_500_steps():
     growth = rss[SAMPLES[-1]] - rss[first]
     assert growth < RSS_NOISE, f"RSS grew by {growth / 2**20:.1f} MiB: { {i: r >> 20 for i, r in rss.items()} }"
     del model, opt
-    assert_interception_gone()
+    assert_stacks_clean()

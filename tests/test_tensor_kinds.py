@@ -11,7 +11,7 @@ import torch
 from gradient_scope import recompute_scope
 
 from _contract import check, leaf, weighted_sum
-from conftest import assert_interception_gone
+from conftest import assert_stacks_clean
 
 INFERENCE = [
     "mode_inside_block",
@@ -68,7 +68,7 @@ def test_inference_mode_inside_block_state_clean():
             k = torch.ones(4)
         g = a.sin() + k
     del g, k
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def _sparse(layout: str, t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from gradient_scope import recompute_scope
 
 from _interop import run_both_clean
-from conftest import PlainScopes, Scopes, assert_interception_gone, grads, top_hooks
+from conftest import PlainScopes, Scopes, assert_stacks_clean, grads, top_hooks
 
 TIMEOUT = 60
 
@@ -53,7 +53,7 @@ def test_backward_in_other_thread_tensors_dead():
         return grads(dict(a=a, b=b, c=c))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_backward_in_other_thread_tensors_alive():
@@ -70,7 +70,7 @@ def test_backward_in_other_thread_tensors_alive():
         return out
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_last_block_tensor_dies_in_other_thread():
@@ -102,7 +102,7 @@ def test_last_block_tensor_dies_in_other_thread():
     ((a @ b).exp() * b).sum().backward()
     assert torch.equal(ga, a.grad)
     assert top_hooks() == hooks0, f"forward thread left with hooks {top_hooks()}"
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_many_backwards_in_threads_with_retain_graph():
@@ -119,7 +119,7 @@ def test_many_backwards_in_threads_with_retain_graph():
         return dict(outs=outs, **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def test_two_threads_train_concurrently():
             assert torch.equal(x, y), f"seed {s}: concurrent != sequential"
             assert torch.equal(y, z), f"seed {s}: scoped != plain"
     del results, sequential, plain
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_thread_forward_while_other_thread_backward():
@@ -232,7 +232,7 @@ def test_thread_forward_while_other_thread_backward():
         return grads(dict(w=w))
 
     run_both_clean(program)
-    assert_interception_gone()
+    assert_stacks_clean()
 
 
 def test_forward_thread_after_other_thread_dropped_last_tensor():
@@ -265,4 +265,4 @@ def test_forward_thread_after_other_thread_dropped_last_tensor():
     assert top_hooks() == hooks0
     g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
     assert torch.equal(g, torch.ones(3).cos())
-    assert_interception_gone()
+    assert_stacks_clean()
