@@ -4,6 +4,12 @@ Every gradient test compares a scoped program against the *same* program run wit
 scope (a ``contextlib.nullcontext`` in place of each scope), from the same seed, with
 ``torch.equal`` on CPU (no tolerances).  Programs are written as ``program(scope)`` where
 ``scope(**options)`` returns a fresh context manager for each region.
+
+Global state as found: the autouse fixture ``global_state_as_found`` checks after every
+test that ``global_state()`` (saved-tensor hooks, dispatch modes, grad and inference mode,
+autocast, default dtype and device) is as the test found it, puts it back if not, and
+restores the RNG states; ``assert_interception_gone()`` and ``assert_stacks_clean()``
+check it mid-test, without gc.
 """
 
 import contextlib

@@ -181,6 +181,8 @@ def test_exit_inner_after_outer_with_decorator():
 
 
 def test_entering_same_scope_twice_raises():
+    """Re-entering an active scope raises inside its block; the outer block goes on and
+    its tensors give the plain gradients."""
     before = global_state()
     s = recompute_scope()
     a = torch.randn(4, requires_grad=True)
@@ -202,6 +204,8 @@ def test_entering_same_scope_twice_raises():
 
 
 def test_exiting_out_of_order_raises():
+    """A wrong-order exit raises and changes nothing: ops run after it, with both scopes
+    still open, give the plain gradients."""
     before = global_state()
     s1, s2 = recompute_scope(), recompute_scope()
     a = torch.randn(4, requires_grad=True)
