@@ -134,7 +134,10 @@ def _put_back(before):
     torch.set_autocast_enabled("cpu", before["autocast_cpu"])
     torch.set_autocast_dtype("cpu", before["autocast_cpu_dtype"])
     torch.set_default_dtype(before["default_dtype"])
-    torch.set_default_device(before["default_device"])
+    if torch.get_default_device() != before["default_device"]:
+        # (set_default_device("cpu") would leave a DeviceContext mode on; None removes it)
+        device = before["default_device"]
+        torch.set_default_device(None if device.type == "cpu" else device)
 
 
 @pytest.fixture(autouse=True)
