@@ -1,5 +1,6 @@
 """Threads (``docs/compatibility.md``): backward may run in another thread than forward;
-scopes in several threads at once are independent.  Ground truth: the plain program, ``torch.equal``.
+scopes in several threads at once are independent.  Ground truth: the plain program,
+``torch.equal``.
 """
 
 import threading
