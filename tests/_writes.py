@@ -1,5 +1,5 @@
 """Writes to a tensor between forward and backward, by every route (shared by the
-contract-hole and differential tests). Each multiplies the values by 3; ``inplace`` and
+hidden-write and fuzz tests). Each multiplies the values by 3; ``inplace`` and
 ``set_`` bump the version counter, the others do not (``data_assign`` and ``set_`` give
 the tensor another storage)."""
 

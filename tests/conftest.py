@@ -4,6 +4,12 @@ Every gradient test compares a scoped program against the *same* program run wit
 scope (a ``contextlib.nullcontext`` in place of each scope), from the same seed, with
 ``torch.equal`` on CPU (no tolerances).  Programs are written as ``program(scope)`` where
 ``scope(**options)`` returns a fresh context manager for each region.
+
+Global state as found: the autouse fixture ``global_state_as_found`` checks after every
+test that ``global_state()`` (saved-tensor hooks, dispatch modes, grad and inference mode,
+autocast, default dtype and device) is as the test found it, puts it back if not, and
+restores the RNG states; ``assert_interception_gone()`` and ``assert_stacks_clean()``
+check it mid-test, without gc.
 """
 
 import contextlib
@@ -46,7 +52,22 @@ def dispatch_depth():
     return torch._C._len_torch_dispatch_stack()
 
 
+def patchable():
+    """The PyTorch functions the library may patch while a thread has its hook pair
+    installed, as they are now (compare before and after)."""
+    return (
+        torch.autograd.graph.saved_tensors_hooks.__enter__,
+        torch.autograd.graph.saved_tensors_hooks.__exit__,
+        torch.autograd.backward,
+        torch.autograd.grad,
+        torch._C._autograd._push_saved_tensors_default_hooks,
+        torch._C._autograd._pop_saved_tensors_default_hooks,
+    )
+
+
 def global_state():
+    """The global PyTorch state a scope must leave as it found it (the RNG aside: tests
+    draw from it; the fixture below restores it)."""
     return {
         "saved_tensors_hooks": top_hooks(),
         "dispatch_stack_len": dispatch_depth(),
@@ -55,6 +76,8 @@ def global_state():
         "inference_mode": torch.is_inference_mode_enabled(),
         "autocast_cpu": torch.is_autocast_enabled("cpu"),
         "autocast_cpu_dtype": torch.get_autocast_dtype("cpu"),
+        "default_dtype": torch.get_default_dtype(),
+        "default_device": torch.get_default_device(),
     }
 
 
@@ -62,6 +85,7 @@ def global_state():
 # earlier test leaked an interception, comparing against this baseline (instead of None)
 # keeps that one failure from cascading into every later test.
 _BASELINE = {}
+_BASELINE_PATCHED = []  # patchable() at the start of the current test
 
 
 def baseline_hooks():
@@ -70,8 +94,9 @@ def baseline_hooks():
 
 
 def assert_interception_gone(before=None):
-    """No saved-tensor hooks and no dispatch mode left behind (checked without gc):
-    the state is that of ``before`` (default: the start of the test)."""
+    """No saved-tensor hooks and no dispatch mode left behind, and the rest of
+    ``global_state()`` unchanged (checked without gc, so a test calls it after dropping
+    its tensors): the state is that of ``before`` (default: the start of the test)."""
     before = before if before is not None else _BASELINE
     now = global_state()
     assert now["saved_tensors_hooks"] == before["saved_tensors_hooks"], (
@@ -80,20 +105,65 @@ def assert_interception_gone(before=None):
     assert now == before, f"global state changed:\nbefore={before}\nnow={now}"
 
 
+def assert_stacks_clean():
+    """The saved-tensor hook stack and the dispatch stack are as at the start of the test,
+    and no PyTorch function is left patched (checked without gc, so a test calls it after
+    dropping its tensors)."""
+    assert top_hooks() == _BASELINE["saved_tensors_hooks"], f"saved-tensor hooks left behind: {top_hooks()}"
+    assert dispatch_depth() == _BASELINE["dispatch_stack_len"], "dispatch mode left on the stack"
+    assert patchable() == _BASELINE_PATCHED[0], (
+        "PyTorch functions left patched (saved_tensors_hooks.__enter__/__exit__, "
+        "autograd.backward/grad, _push/_pop_saved_tensors_default_hooks): "
+        f"{patchable()} != {_BASELINE_PATCHED[0]}"
+    )
+
+
+def _put_back(before):
+    """Undo what a failed test left (the library's own interception first), so that the
+    following tests start from ``before``."""
+    while dispatch_depth() > before["dispatch_stack_len"]:
+        torch._C._pop_torch_dispatch_mode()
+    if top_hooks() != before["saved_tensors_hooks"]:
+        with contextlib.suppress(Exception):
+            from gradient_scope import _interception
+
+            _interception.sweep()
+    while top_hooks() is not None and top_hooks() != before["saved_tensors_hooks"]:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch.set_grad_enabled(before["grad_enabled"])
+    torch.set_autocast_enabled("cpu", before["autocast_cpu"])
+    torch.set_autocast_dtype("cpu", before["autocast_cpu_dtype"])
+    torch.set_default_dtype(before["default_dtype"])
+    if torch.get_default_device() != before["default_device"]:
+        # (set_default_device("cpu") would leave a DeviceContext mode on; None removes it)
+        device = before["default_device"]
+        torch.set_default_device(None if device.type == "cpu" else device)
+
+
 @pytest.fixture(autouse=True)
-def _global_state_restored():
-    """Catch-all: whatever a test does, PyTorch's global state is as before afterwards
-    (once its locals are gone; gc is allowed here, the strict no-gc checks live in the
-    tests themselves)."""
+def global_state_as_found():
+    """Global state as found, for every test: whatever a test does, ``global_state()`` is
+    as before afterwards (once its locals are gone; gc is allowed here, the strict no-gc
+    checks are the tests' own ``assert_interception_gone()`` / ``assert_stacks_clean()``), and the RNG states are put
+    back.  A test that leaves state behind fails, and the state is put back so that the
+    failure does not spread to the following tests."""
     before = global_state()
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     _BASELINE.clear()
     _BASELINE.update(before)
+    _BASELINE_PATCHED[:] = [patchable()]
     yield
+    torch.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
     after = global_state()
     if after != before:  # give reference cycles a chance before calling it a leak
-        gc.collect()
+        gc.collect()  # (only then: a collection costs ~0.3 s in a full run)
         after = global_state()
-    assert after == before, f"test left global state changed:\nbefore={before}\nafter={after}"
+    if after != before:
+        _put_back(before)
+        pytest.fail(f"test left global state changed:\nbefore={before}\nafter={after}", pytrace=False)
 
 
 # --------------------------------------------------------------------------------------

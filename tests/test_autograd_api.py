@@ -1,7 +1,8 @@
-"""The autograd entry points with scopes (docs/compatibility.md): ``torch.autograd.grad`` with
-``inputs=``, ``retain_graph=True`` and repeated backward, ``create_graph=True`` (double
-backward), ``gradgradcheck``, ``autograd.grad`` inside the block, and partial replay (only
-the ops a backward needs are replayed).  Ground truth: the plain program, ``torch.equal``."""
+"""The autograd entry points with scopes (``docs/compatibility.md``):
+``torch.autograd.grad`` with ``inputs=``, ``retain_graph=True`` and repeated backward,
+``create_graph=True`` (double backward), ``gradgradcheck``, ``autograd.grad`` inside the
+block, and partial replay (only the ops a backward needs are replayed).  Ground truth:
+the plain program, ``torch.equal``."""
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
 
-from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
-from conftest import grads, stat
+from _interop import run_both_clean
+from conftest import assert_stacks_clean, grads, stat
 
 
 def leaves(*shapes, dtype=torch.float32):
@@ -22,7 +23,7 @@ def leaves(*shapes, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("subset", ["a", "b", "c", "ab", "bc"])
-def test_grad_inputs_subset(subset, clean_stacks):
+def test_grad_inputs_subset(subset):
     def program(scope):
         a, b, c = leaves((4, 6), (6, 5), (4, 5))
         with scope():
@@ -35,10 +36,10 @@ def test_grad_inputs_subset(subset, clean_stacks):
         return dict(y=y.detach(), g=list(gs))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_backward_inputs_subset(clean_stacks):
+def test_backward_inputs_subset():
     def program(scope):
         a, b, c = leaves((4, 6), (6, 5), (4, 5))
         with scope():
@@ -48,14 +49,14 @@ def test_backward_inputs_subset(clean_stacks):
         return grads(dict(b=b, c=c))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
 # retain_graph and repeated backward
 
 
-def test_retain_graph_repeated_backward(clean_stacks):
+def test_retain_graph_repeated_backward():
     def program(scope):
         a, b, c = leaves((5, 4), (4, 4), (5, 4))
         with scope():
@@ -75,10 +76,10 @@ def test_retain_graph_repeated_backward(clean_stacks):
     # each pass replays again (a later pass after retain_graph=True replays again)
     assert stat(s, "replays") >= 3
     del scopes, s
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_retain_graph_grad_then_backward(clean_stacks):
+def test_retain_graph_grad_then_backward():
     def program(scope):
         a, b = leaves((3, 7), (3, 7))
         with scope():
@@ -91,14 +92,14 @@ def test_retain_graph_grad_then_backward(clean_stacks):
         return dict(g1=g1, g2=g2, **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
 # create_graph / higher order
 
 
-def test_create_graph_double_backward(clean_stacks):
+def test_create_graph_double_backward():
     def program(scope):
         a, b, c = leaves((4, 5), (5, 3), (4, 3))
         with scope():
@@ -112,10 +113,10 @@ def test_create_graph_double_backward(clean_stacks):
         return dict(ga=ga.detach(), gb=gb.detach(), **grads(dict(a=a, b=b, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_create_graph_third_order(clean_stacks):
+def test_create_graph_third_order():
     def program(scope):
         (x,) = leaves((6,))
         with scope():
@@ -128,10 +129,10 @@ def test_create_graph_third_order(clean_stacks):
         return dict(g1=g1.detach(), g2=g2.detach(), g3=g3)
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_gradgradcheck_scope_inside(clean_stacks):
+def test_gradgradcheck_scope_inside():
     def fn(a, b):
         with recompute_scope():
             h = (a @ b).tanh()
@@ -144,7 +145,7 @@ def test_gradgradcheck_scope_inside(clean_stacks):
     assert torch.autograd.gradcheck(fn, (a, b))
     assert torch.autograd.gradgradcheck(fn, (a, b))
     del a, b
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ def test_gradgradcheck_scope_inside(clean_stacks):
 
 
 @pytest.mark.parametrize("create_graph", [False, True])
-def test_grad_called_inside_block(create_graph, clean_stacks):
+def test_grad_called_inside_block(create_graph):
     def program(scope):
         a, b = leaves((4, 5), (4, 5))
         with scope():
@@ -165,10 +166,10 @@ def test_grad_called_inside_block(create_graph, clean_stacks):
         return dict(y=y.detach(), **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_backward_of_earlier_graph_inside_block(clean_stacks):
+def test_backward_of_earlier_graph_inside_block():
     """A full backward (of an earlier scope's tensors) runs while another block is open."""
 
     def program(scope):
@@ -185,14 +186,14 @@ def test_backward_of_earlier_graph_inside_block(clean_stacks):
         return grads(dict(a=a, b=b))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
 # partial replay
 
 
-def test_partial_grad_replays_only_needed_ops(clean_stacks):
+def test_partial_grad_replays_only_needed_ops():
     def program(scope):
         a, b, c, d = leaves((4, 4), (4, 4), (4, 4), (4, 4))
         with scope():
@@ -210,10 +211,10 @@ def test_partial_grad_replays_only_needed_ops(clean_stacks):
     assert 0 < replayed < recorded, (replayed, recorded)
     assert replayed <= 2, f"replayed {replayed} ops where h1 needs 2"
     del scopes, s
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_second_pass_replays_the_rest(clean_stacks):
+def test_second_pass_replays_the_rest():
     """grad for c (needs h1) then, after retain_graph, for d (needs h2): each pass replays
     only its part, and each recorded op at most once per pass."""
 
@@ -242,11 +243,11 @@ def test_second_pass_replays_the_rest(clean_stacks):
     # second pass needs everything, once each
     assert total - first <= recorded
     del scopes, s
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_each_op_replayed_at_most_once_per_pass(clean_stacks):
-    """docs/concepts.md: within one backward pass each recorded op is replayed at most once; a
+def test_each_op_replayed_at_most_once_per_pass():
+    """``docs/concepts.md``: within one backward pass each recorded op is replayed at most once; a
     replayed value other still-packed handles depend on is kept until they are served.
     Here exp saves its output h and mul saves h again: two handles of one tensor."""
     a, c = leaves((4,), (4,))
@@ -266,4 +267,4 @@ def test_each_op_replayed_at_most_once_per_pass(clean_stacks):
     (a.sin().exp() * c).sum().backward()
     assert torch.equal(ga, a.grad)
     del s, y
-    clean_stacks()
+    assert_stacks_clean()

@@ -219,37 +219,6 @@ def test_create_graph_grad_of_recomputed_value():
     run_both(program)
 
 
-class _SaveAndUse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, g * x
-
-
-def test_custom_function_saving_block_tensors():
-    def program(scope):
-        a = torch.randn(4, 3, requires_grad=True)
-        w = torch.randn(4, 3, requires_grad=True)
-        with scope():
-            x = a.exp()
-            z = _SaveAndUse.apply(x, w)  # saved inside the block
-            u = z.sin()
-        v = _SaveAndUse.apply(u, w)  # block tensor saved by ctx after the block
-        ref = weakref.ref(u)
-        del x, z, u
-        if scope.real:
-            assert ref() is None
-        v.sum().backward()
-        return dict(v=v.detach(), **grads(dict(a=a, w=w)))
-
-    run_both(program)
-
-
 def test_block_tensor_is_leaf_created_in_block():
     def program(scope):
         c = torch.randn(6, requires_grad=True)

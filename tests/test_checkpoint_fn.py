@@ -1,4 +1,4 @@
-"""gradient_scope.checkpoint: a drop-in for torch.utils.checkpoint.checkpoint (docs/api.md).
+"""gradient_scope.checkpoint: a drop-in for torch.utils.checkpoint.checkpoint (``docs/api.md``).
 
 Gradients are compared with the same program without any checkpoint (same seeds,
 ``torch.equal``); frameworks that take a checkpoint function (torch's

@@ -1,4 +1,4 @@
-"""Interop with torch.utils.checkpoint (docs/compatibility.md).
+"""Interop with torch.utils.checkpoint (``docs/compatibility.md``).
 
 Every combination of a recompute_scope and torch.utils.checkpoint gives the gradients of
 the plain program (same code, no scope, same seed; ``torch.equal`` on CPU): a scope inside
@@ -25,8 +25,8 @@ from torch.utils.checkpoint import (
     set_checkpoint_early_stop,
 )
 
-from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
-from conftest import grads, stat
+from _interop import run_both_clean
+from conftest import assert_stacks_clean, grads, stat
 
 REENTRANT = [pytest.param(True, id="reentrant"), pytest.param(False, id="nonreentrant")]
 EARLY_STOP = [pytest.param(True, id="early_stop"), pytest.param(False, id="no_early_stop")]
@@ -50,7 +50,7 @@ def params(*shapes):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_inside_checkpoint(reentrant, early_stop, clean_stacks):
+def test_scope_inside_checkpoint(reentrant, early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 10), (10, 4), (6, 4))
 
@@ -70,12 +70,12 @@ def test_scope_inside_checkpoint(reentrant, early_stop, clean_stacks):
         return dict(loss=loss.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_whole_checkpointed_function_in_scope(reentrant, early_stop, clean_stacks):
+def test_whole_checkpointed_function_in_scope(reentrant, early_stop):
     """The checkpointed function's whole body is a scope; its output leaves the block."""
 
     def program(scope):
@@ -93,7 +93,7 @@ def test_whole_checkpointed_function_in_scope(reentrant, early_stop, clean_stack
         return dict(z=z.detach(), **grads(dict(x=x, w1=w1, w2=w2)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_whole_checkpointed_function_in_scope(reentrant, early_stop, clean_stack
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpoint_inside_scope(reentrant, early_stop, clean_stacks):
+def test_checkpoint_inside_scope(reentrant, early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
 
@@ -120,11 +120,11 @@ def test_checkpoint_inside_scope(reentrant, early_stop, clean_stacks):
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_nested_scope_checkpoint_scope(reentrant, clean_stacks):
+def test_nested_scope_checkpoint_scope(reentrant):
     """scope > checkpoint > scope."""
 
     def program(scope):
@@ -142,7 +142,7 @@ def test_nested_scope_checkpoint_scope(reentrant, clean_stacks):
         return grads(dict(x=x, w1=w1, w2=w2))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_nested_scope_checkpoint_scope(reentrant, clean_stacks):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_tensor_into_checkpoint(reentrant, early_stop, clean_stacks):
+def test_scope_tensor_into_checkpoint(reentrant, early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
         with scope():
@@ -168,12 +168,12 @@ def test_scope_tensor_into_checkpoint(reentrant, early_stop, clean_stacks):
         return dict(y=y.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpoint_output_read_by_later_scope(reentrant, early_stop, clean_stacks):
+def test_checkpoint_output_read_by_later_scope(reentrant, early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
 
@@ -191,11 +191,11 @@ def test_checkpoint_output_read_by_later_scope(reentrant, early_stop, clean_stac
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_checkpoint_scope_chain(reentrant, clean_stacks):
+def test_scope_checkpoint_scope_chain(reentrant):
     """scope -> checkpoint -> scope, tensors flowing along and all dropped before backward."""
 
     def program(scope):
@@ -211,7 +211,7 @@ def test_scope_checkpoint_scope_chain(reentrant, clean_stacks):
         return dict(loss=loss.detach(), **grads(dict(x=x, w1=w1, w2=w2, w3=w3)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_scope_inside_selective_checkpoint(early_stop, clean_stacks):
+def test_scope_inside_selective_checkpoint(early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
 
@@ -246,11 +246,11 @@ def test_scope_inside_selective_checkpoint(early_stop, clean_stacks):
         return dict(y=y.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_selective_checkpoint_inside_scope(early_stop, clean_stacks):
+def test_selective_checkpoint_inside_scope(early_stop):
     def program(scope):
         x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
 
@@ -271,10 +271,10 @@ def test_selective_checkpoint_inside_scope(early_stop, clean_stacks):
         return dict(out=out.detach(), **grads(dict(x=x, w1=w1, w2=w2, c=c)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_selective_checkpoint_with_scope_save_option(clean_stacks):
+def test_selective_checkpoint_with_scope_save_option():
     """Both a save= policy on the scope and a SAC policy on the checkpoint."""
 
     def program(scope):
@@ -294,7 +294,7 @@ def test_selective_checkpoint_with_scope_save_option(clean_stacks):
         return grads(dict(x=x, w1=w1, w2=w2))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def test_selective_checkpoint_with_scope_save_option(clean_stacks):
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_early_stop_abort_inside_open_scope(early_stop, clean_stacks):
+def test_early_stop_abort_inside_open_scope(early_stop):
     after_stop = []  # Python side effect after the last tensor checkpoint counts
 
     def program(scope):
@@ -337,11 +337,11 @@ def test_early_stop_abort_inside_open_scope(early_stop, clean_stacks):
     assert len(scopes.created) == 2
     assert stat(scopes.created[0], "ops_recorded") >= 4
     del scopes, actual
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_early_stop_abort_nested_scopes_open(early_stop, clean_stacks):
+def test_early_stop_abort_nested_scopes_open(early_stop):
     """Two nested scopes open when the recomputation is aborted; training continues."""
 
     def program(scope):
@@ -363,7 +363,7 @@ def test_early_stop_abort_nested_scopes_open(early_stop, clean_stacks):
         return dict(outs=outs, **grads(dict(x=x, w=w)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_early_stop_abort_nested_scopes_open(early_stop, clean_stacks):
 
 
 @pytest.mark.parametrize("reentrant", [pytest.param(False, id="nonreentrant")])
-def test_checkpoint_retain_graph_twice(reentrant, clean_stacks):
+def test_checkpoint_retain_graph_twice(reentrant):
     def program(scope):
         x, w = params((4, 6), (6, 6))
 
@@ -388,11 +388,11 @@ def test_checkpoint_retain_graph_twice(reentrant, clean_stacks):
         return dict(g1=g1, **grads(dict(x=x, w=w)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpointed_module_training_steps(reentrant, clean_stacks):
+def test_checkpointed_module_training_steps(reentrant):
     """A small model: checkpointed blocks with scopes inside, three SGD steps."""
 
     class Block(torch.nn.Module):
@@ -423,4 +423,4 @@ def test_checkpointed_module_training_steps(reentrant, clean_stacks):
         return dict(losses=losses, params=[p.detach().clone() for p in blocks.parameters()])
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()

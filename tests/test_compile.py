@@ -24,8 +24,7 @@ import torch.nn.functional as F
 import gradient_scope._compile as gs_compile
 from gradient_scope import recompute_scope
 
-from _interop import clean_stacks, repair_hook_stack  # noqa: F401
-from conftest import grads
+from conftest import assert_stacks_clean, grads
 
 BACKENDS = ["eager", "aot_eager", "inductor"]
 
@@ -55,7 +54,7 @@ def run(program, backend, scoped):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_fn_inside_scope(backend, clean_stacks):
+def test_compiled_fn_inside_scope(backend):
     def f(x, w):
         return torch.tanh(x @ w) * x.sum(dim=1, keepdim=True)
 
@@ -76,11 +75,11 @@ def test_compiled_fn_inside_scope(backend, clean_stacks):
     actual = run(program, backend, True)
     compare(backend, actual, expected, eager=run(program, None, False))
     del actual, expected
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_scope_inside_compiled_fn(backend, clean_stacks):
+def test_scope_inside_compiled_fn(backend):
     def make(scoped):
         def g(x, w, c):
             with recompute_scope() if scoped else contextlib.nullcontext():
@@ -103,11 +102,11 @@ def test_scope_inside_compiled_fn(backend, clean_stacks):
     actual = run(program, backend, True)
     compare(backend, actual, expected, eager=run(program, None, False))
     del actual, expected
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_module_training_with_scopes(backend, clean_stacks):
+def test_compiled_module_training_with_scopes(backend):
     class Net(torch.nn.Module):
         def __init__(self, scoped):
             super().__init__()
@@ -143,7 +142,7 @@ def test_compiled_module_training_with_scopes(backend, clean_stacks):
     actual = run(program, backend, True)
     compare(backend, actual, expected)
     del actual, expected
-    clean_stacks()
+    assert_stacks_clean()
 
 
 def test_fallback_warns_once_and_runs_eagerly(monkeypatch):

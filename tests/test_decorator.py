@@ -1,5 +1,9 @@
-"""Decorator forms (docs/api.md), enabled=False, and misuse (docs/troubleshooting.md)."""
+"""The decorator forms (``@recompute``, ``@recompute(...)``, ``@recompute_scope()``) on
+functions, methods, recursive and re-entrant calls, generator functions, coroutines,
+async generators and classes; ``enabled=False``. Misuse of a scope object (re-entering,
+exiting out of order, invalid options) is in ``test_misuse.py``."""
 
+import inspect
 import weakref
 
 import pytest
@@ -9,8 +13,10 @@ import torch.nn.functional as F
 
 from gradient_scope import recompute, recompute_scope
 
+from _contract import leaf, plain_grad
 from conftest import (
     assert_interception_gone,
+    assert_stacks_clean,
     dispatch_depth,
     global_state,
     grads,
@@ -331,84 +337,163 @@ def test_enabled_false_decorator():
 
 
 # --------------------------------------------------------------------------------------
-# misuse
+# generator functions, coroutines, async generators and classes
 
 
-def test_entering_same_scope_twice_raises():
-    before = global_state()
-    s = recompute_scope()
-    a = torch.randn(4, requires_grad=True)
-    with s:
-        x = a.sin()
-        with pytest.raises(RuntimeError):
-            with s:
-                pass
-        y = x.exp()  # the outer block still works
-    z = (y * x).sum()
-    del x, y
-    z.backward()
-    a2 = a.detach().clone().requires_grad_()
-    x2 = a2.sin()
-    (x2.exp() * x2).sum().backward()
-    assert torch.equal(a.grad, a2.grad)
-    del z
-    assert_interception_gone(before)
+DECORATORS = {
+    "recompute_scope()": lambda f: recompute_scope()(f),
+    "recompute": lambda f: recompute(f),
+    "recompute(opts)": lambda f: recompute(preserve_rng_state=True)(f),
+}
 
 
-def test_exiting_out_of_order_raises():
-    before = global_state()
-    s1, s2 = recompute_scope(), recompute_scope()
-    a = torch.randn(4, requires_grad=True)
-    s1.__enter__()
-    x = a.sin()
-    s2.__enter__()
-    y = x.exp()
-    with pytest.raises(RuntimeError):
-        s1.__exit__(None, None, None)
-    # the failed call changed nothing: s2 is still innermost, then s1
-    z = y * x
-    s2.__exit__(None, None, None)
-    s1.__exit__(None, None, None)
-    del x, y
-    z.sum().backward()
-    a2 = a.detach().clone().requires_grad_()
-    x2 = a2.sin()
-    (x2.exp() * x2).sum().backward()
-    assert torch.equal(a.grad, a2.grad)
-    del z
-    assert_interception_gone(before)
+def _drive(coro):
+    """Run a coroutine that awaits only _Yield() to completion, without an event loop."""
+    try:
+        while True:
+            coro.send(None)
+    except StopIteration as stop:
+        return stop.value
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(preserve_rng_state="yes"),
-        dict(preserve_rng_state=None),
-        dict(enabled="no"),
-        dict(debug="x"),
-        dict(save=42),
-        dict(save=[object()]),
-        dict(save=["not an op"]),
-        dict(bogus_option=True),
-    ],
-    ids=lambda k: next(iter(k)) + "=" + repr(next(iter(k.values())))[:12],
-)
-def test_invalid_options_raise(kwargs):
-    before = global_state()
-    with pytest.raises((TypeError, ValueError)):
-        s = recompute_scope(**kwargs)
-        with s:
-            torch.randn(2, requires_grad=True).sin()
-    with pytest.raises((TypeError, ValueError)):
-
-        @recompute(**kwargs)
-        def f(h):
-            return h.sin()
-
-        f(torch.randn(2, requires_grad=True))
-    assert_interception_gone(before)
+class _Yield:
+    def __await__(self):
+        yield
 
 
-def test_positional_options_rejected():
-    with pytest.raises(TypeError):
-        recompute_scope(True)
+def _recomputable(holder: list, index: int) -> bool:
+    """holder[index] is a block tensor: once an op saves it (mul saves it for the other
+    operand's gradient) and every reference is dropped, nothing keeps it alive.  (A tensor
+    made outside any block stays alive, held by the graph.)  Takes it out of holder."""
+    t = holder[index]
+    holder[index] = None
+    y = t * leaf(*t.shape)
+    r = weakref.ref(t)
+    del t
+    alive = r() is not None
+    del y
+    return not alive
+
+
+def test_recomputable_probe_tells_block_tensors_apart():
+    a = leaf(5)
+    assert not _recomputable([a.sin()], 0)
+    with recompute_scope():
+        h = a.sin()
+    assert _recomputable([h], 0) is False  # the name h still holds it
+    with recompute_scope():
+        held = [a.sin()]
+    assert _recomputable(held, 0)
+
+
+@pytest.mark.parametrize("deco", list(DECORATORS))
+def test_decorated_generator_function(deco):
+    """A generator function: TypeError at decoration, or each resumption recorded (the
+    tensors it makes between yields are recomputable) with plain gradients."""
+
+    def gen(x):
+        y = x.sin()
+        yield y
+        z = y.exp()
+        yield z
+
+    try:
+        g = DECORATORS[deco](gen)
+    except TypeError:
+        assert_stacks_clean()
+        return
+    assert inspect.isgeneratorfunction(g) or inspect.isgenerator(g(leaf(1))), (
+        "decorating a generator function gave a function that is not a generator function"
+    )
+    a = leaf(5)
+    c = torch.randn(5)
+    outs = list(g(a))
+    assert _recomputable(outs, 0), "tensor made before the first yield is not recorded"
+    assert _recomputable(outs, 1), "tensor made after a resumption is not recorded"
+    outs = list(g(a))
+    loss = (outs[0] * outs[1] * c).sum()
+    del outs
+    loss.backward()
+    assert torch.equal(a.grad, plain_grad(lambda t: (lambda o: o[0] * o[1] * c)(list(gen(t))), a))
+    del loss
+    # a generator abandoned half-way leaves no block open
+    it = g(a)
+    first = next(it)
+    it.close()
+    del it, first
+    assert_stacks_clean()
+
+
+@pytest.mark.parametrize("deco", list(DECORATORS))
+def test_decorated_async_function(deco):
+    async def co(x):
+        y = x.sin()
+        await _Yield()
+        return y, y.exp()
+
+    try:
+        f = DECORATORS[deco](co)
+    except TypeError:
+        assert_stacks_clean()
+        return
+    assert inspect.iscoroutinefunction(f), "decorating an async def gave a function that is not async"
+    a = leaf(5)
+    c = torch.randn(5)
+    held = list(_drive(f(a)))
+    assert _recomputable(held, 0), "tensor made before the await is not recorded"
+    assert _recomputable(held, 1), "tensor made after the await is not recorded"
+    y, z = _drive(f(a))
+    loss = (y * z * c).sum()
+    del y, z
+    loss.backward()
+    assert torch.equal(a.grad, plain_grad(lambda t: (lambda o: o[0] * o[1] * c)(_drive(co(t))), a))
+    del loss
+    assert_stacks_clean()
+
+
+@pytest.mark.parametrize("deco", list(DECORATORS))
+def test_decorated_async_generator(deco):
+    async def agen(x):
+        y = x.sin()
+        yield y
+        await _Yield()
+        yield y.exp()
+
+    try:
+        f = DECORATORS[deco](agen)
+    except TypeError:
+        assert_stacks_clean()
+        return
+    assert inspect.isasyncgenfunction(f), "decorating an async generator gave something else"
+
+    async def collect(x):
+        return [v async for v in f(x)]
+
+    a = leaf(5)
+    outs = _drive(collect(a))
+    assert _recomputable(outs, 0), "tensor made before the first yield is not recorded"
+    assert _recomputable(outs, 1), "tensor made after a resumption is not recorded"
+    del outs
+    assert_stacks_clean()
+
+
+@pytest.mark.parametrize("deco", list(DECORATORS))
+def test_decorated_class(deco):
+    """A class: TypeError at decoration, or still a class whose instances' forward runs
+    in a scope (not silently replaced by a function)."""
+
+    class Block(nn.Module):
+        def forward(self, x):
+            return x.sin()
+
+    try:
+        C = DECORATORS[deco](Block)
+    except TypeError:
+        assert_stacks_clean()
+        return
+    assert inspect.isclass(C), f"decorating a class returned {type(C).__name__}, not a class"
+    m = C()
+    assert isinstance(m, C) and isinstance(m, nn.Module)
+    a = leaf(5)
+    assert _recomputable([m(a)], 0), "the decorated class's forward is not recorded"
+    assert_stacks_clean()

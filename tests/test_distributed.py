@@ -1,4 +1,4 @@
-"""Distributed training with scopes (docs/compatibility.md), 2 gloo processes on 127.0.0.1 (CPU).
+"""Distributed training with scopes (``docs/compatibility.md``), 2 gloo processes on 127.0.0.1 (CPU).
 
 * DistributedDataParallel with scopes inside the model trains exactly as plain DDP.
 * FSDP2 (``fully_shard``): scopes per layer (``apply_recompute`` on ``fully_shard``ed layers)

@@ -1,6 +1,6 @@
 """Foreign saved_tensors_hooks (a recording pair, save_on_cpu) entered around, inside and
 after a scope and exited in every order relative to the scope's tensors dying
-(docs/compatibility.md).
+(``docs/compatibility.md``).
 
 Each scenario is a script of events run by a small driver:
 
@@ -12,7 +12,7 @@ Each scenario is a script of events run by a small driver:
 
 Every op saves tensors of a distinct shape, so a recording pack hook tells block-created
 tensors (shapes (2, 3) and (2, 5)) from the rest. The expected contents of each hook come
-from PyTorch's rule as docs/compatibility.md states it: the innermost open context applies; the scope's
+from PyTorch's rule as ``docs/compatibility.md`` states it: the innermost open context applies; the scope's
 interception counts as entered at ``S+`` and stays until ``die``; while it is innermost,
 block tensors become handles and everything else goes to the innermost open foreign
 hook. No hook receives anything after its own exit.
@@ -28,8 +28,7 @@ import pytest
 import torch
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
-from _interop import clean_stacks, repair_hook_stack  # noqa: F401
-from conftest import stat
+from conftest import assert_stacks_clean, stat
 
 B_SHAPES = {(2, 3), (2, 5)}  # shapes of block-created tensors
 
@@ -206,7 +205,7 @@ STYLES = ["call", "with"]
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_recording_hook_receives_per_contract(name, style, clean_stacks):
+def test_recording_hook_receives_per_contract(name, style):
     script = SCRIPTS[name]
     script_h = script.replace("H+", "H0+").replace("H-", "H0-")
     plain, plain_hooks, _ = run_script(script_h, False, Recorder, style)
@@ -234,26 +233,26 @@ def test_recording_hook_receives_per_contract(name, style, clean_stacks):
             problems.append(f"{k} differs from the plain program")
     del hooks, scope, actual, plain
     assert not problems, "\n".join(problems)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_save_on_cpu_gradients(name, style, clean_stacks):
+def test_save_on_cpu_gradients(name, style):
     script = SCRIPTS[name].replace("H+", "H0+").replace("H-", "H0-")
     plain, _, _ = run_script(script, False, SaveOnCpu, style)
     actual, hooks, scope = run_script(script, True, SaveOnCpu, style)
     del hooks, scope
     for k in plain:
         assert torch.equal(actual[k], plain[k]), k
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
 # the same, written as literal with statements
 
 
-def test_literal_with_around_scope_tensors_outlive_hook(clean_stacks):
+def test_literal_with_around_scope_tensors_outlive_hook():
     """with save_on_cpu(): with scope: ...  -- block tensors still alive (and saved again)
     after save_on_cpu's with statement ends."""
     from gradient_scope import recompute_scope
@@ -276,10 +275,10 @@ def test_literal_with_around_scope_tensors_outlive_hook(clean_stacks):
     assert len(got) == n_inside, f"hook received {got[n_inside:]} after its exit"
     del x, m
     y.sum().backward()
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_literal_with_hook_inside_scope(clean_stacks):
+def test_literal_with_hook_inside_scope():
     from gradient_scope import recompute_scope
 
     got = []
@@ -301,10 +300,10 @@ def test_literal_with_hook_inside_scope(clean_stacks):
     del x, m
     y.sum().backward()
     del y
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_hook_between_nested_scopes(clean_stacks):
+def test_hook_between_nested_scopes():
     """with S1: ... with H: ... with S2: ...  H (entered inside S1, still open) gets S1's
     block tensors; S2 was entered inside H, so S2's block tensors stay recomputable."""
     from gradient_scope import recompute_scope
@@ -336,4 +335,4 @@ def test_hook_between_nested_scopes(clean_stacks):
     (p.sin() + y).sum().backward()
     assert torch.equal(ga, a.grad) and torch.equal(gb, b.grad)
     del s1, s2, p, y, loss
-    clean_stacks()
+    assert_stacks_clean()

@@ -199,7 +199,7 @@ WINDOWS = [(0, 3), (0, 4), (0, 5), (0, 6), (1, 2), (3, 4), (3, 5), (3, 6), (4, 5
 
 
 def _expected_shapes(enter, exit_, scoped):
-    """What a hook open over [enter, exit_) receives, per docs/compatibility.md."""
+    """What a hook open over [enter, exit_) receives, per ``docs/compatibility.md``."""
     got = set()
     open_at = lambda p: enter <= p < exit_
     if open_at(0):  # mm inside the block: outside tensors are handed on

@@ -1,7 +1,12 @@
-"""In-place operations inside and after a block, BatchNorm, and the errors of docs/troubleshooting.md."""
+"""In-place operations inside and after a block, BatchNorm, and their errors
+(``docs/troubleshooting.md``); block buffers filled in place (by random fills, ``out=``,
+``copy_``, ...) before or after autograd saved them, and kernels that save a buffer before
+they fill it (``rrelu_with_noise``, fused fake-quantisation)."""
 
 import gc
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +15,14 @@ import torch.nn.functional as F
 
 from gradient_scope import RecomputeError, recompute_scope
 
-from conftest import assert_interception_gone, dead, grads, run_both, stat
+from _contract import check, leaf, scribble_free_memory, weighted_sum
+from conftest import (
+    assert_interception_gone,
+    dead,
+    grads,
+    run_both,
+    stat,
+)
 
 
 def test_inplace_on_block_tensors_inside_block():
@@ -325,3 +337,167 @@ def test_outside_tensor_modified_inside_block_after_being_read():
     (x2 * c2).sum().backward()
     assert torch.equal(c.grad, c2.grad), "replayed x from the modified outside tensor"
     assert torch.equal(p.grad, p2.grad)
+
+
+# --------------------------------------------------------------------------------------
+# buffers saved before they are filled; block buffers filled in place
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("saved", ["inside", "after"])
+def test_rrelu_module_train(debug, saved):
+    """nn.RReLU in training mode: rrelu_with_noise saves its noise buffer (an empty_like
+    output) before it writes the noise into it."""
+
+    def program(scope):
+        m = nn.RReLU(0.1, 0.3).train()
+        x = leaf(6, 5)
+        with scope():
+            h = m(x * 1.5)
+            if saved == "inside":
+                y = h * h
+        if saved == "after":
+            y = h.tanh() * h
+        del h
+        scribble_free_memory()
+        weighted_sum(y).backward()
+        return [x.grad]
+
+    check(program, debug=debug)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_rrelu_functional_inplace(debug):
+    """rrelu_with_noise_ (F.rrelu(inplace=True)) on a block tensor: the noise and the
+    written tensor are both saved around the write."""
+
+    def program(scope):
+        x = leaf(6, 5)
+        with scope():
+            h = x * 2
+            F.rrelu(h, 0.1, 0.4, training=True, inplace=True)
+            g = h.exp()
+        del h
+        scribble_free_memory()
+        weighted_sum(g).backward()
+        return [x.grad]
+
+    check(program, debug=debug)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_rrelu_with_noise_explicit_generator(debug):
+    def program(scope):
+        gen = torch.Generator().manual_seed(11)
+        x = leaf(4, 6)
+        with scope():
+            h = x * 2
+            y = torch.ops.aten.rrelu_with_noise(h, torch.empty_like(h), 0.1, 0.3, True, gen)
+        scribble_free_memory()
+        weighted_sum(y * y).backward()
+        return [x.grad]
+
+    check(program, debug=debug)
+
+
+@pytest.mark.parametrize("arrangement", ["nested", "later_scope_reads", "save_policy", "view_input"])
+def test_rrelu_in_scope_arrangements(arrangement):
+    def program(scope):
+        m = nn.RReLU().train()
+        x = leaf(4, 6)
+        w = leaf(6, 6)
+        if arrangement == "nested":
+            with scope():
+                h = x @ w
+                with scope():
+                    r = m(h)
+                z = r.sin()
+        elif arrangement == "later_scope_reads":
+            with scope():
+                r = m(x @ w)
+            with scope():
+                z = r * r
+        elif arrangement == "save_policy":
+            with scope(save=[torch.ops.aten.mm]):
+                r = m(x @ w)
+                z = r.sigmoid()
+        else:
+            with scope():
+                h = x @ w
+                r = m(h.t()[1:])
+                z = r * 3
+        del r
+        scribble_free_memory()
+        weighted_sum(z * z).backward()
+        return [x.grad, w.grad]
+
+    check(program)
+
+
+FILLS: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "bernoulli_": lambda buf, src: buf.bernoulli_(0.6),
+    "uniform_": lambda buf, src: buf.uniform_(-1.0, 1.0),
+    "normal_": lambda buf, src: buf.normal_(0.5, 2.0),
+    "exponential_": lambda buf, src: buf.exponential_(),
+    "geometric_": lambda buf, src: buf.geometric_(0.3),
+    "cauchy_": lambda buf, src: buf.cauchy_(),
+    "log_normal_": lambda buf, src: buf.log_normal_(),
+    "random_": lambda buf, src: buf.random_(0, 7),
+    "fill_": lambda buf, src: buf.fill_(1.5),
+    "copy_": lambda buf, src: buf.copy_(src.sin()),
+    "index_fill_": lambda buf, src: buf.zero_().index_fill_(1, torch.tensor([0, 2]), -2.0),
+    "masked_fill_": lambda buf, src: buf.copy_(src).masked_fill_(src > 0, 0.25),
+    "scatter_": lambda buf, src: buf.zero_().scatter_(1, torch.tensor([[1], [0], [3], [2]]), 3.0),
+    "setitem": lambda buf, src: (buf.zero_(), buf.__setitem__((slice(None), 1), src[:, 2])),
+    "out=": lambda buf, src: torch.mul(src, 2.0, out=buf),
+    "rand_out=": lambda buf, src: torch.rand(4, 4, out=buf),
+}
+
+
+@pytest.mark.parametrize("fill_at", ["inside", "after"])
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_block_buffer_filled_in_place_then_saved(fill, fill_at):
+    """An uninitialised block buffer (empty_like / new_empty / empty) filled in place --
+    inside the block, or after it (then it must be stored) -- and then saved."""
+
+    def program(scope):
+        a = leaf(4, 4)
+        src = torch.randn(4, 4)  # no grad: fills and out= are legal on it
+        with scope():
+            h = a.sin()
+            buf = torch.empty_like(h, requires_grad=False)
+            if fill_at == "inside":
+                FILLS[fill](buf, src)
+                y = h * buf
+        if fill_at == "after":
+            FILLS[fill](buf, src)
+            y = h * buf
+        z = buf * a  # buf saved again after the block
+        del h, buf
+        scribble_free_memory()
+        weighted_sum(y + z).backward()
+        return [a.grad]
+
+    check(program)
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_fused_fake_quant_buffers(debug):
+    """fused_moving_avg_obs_fake_quant writes running_min/max, scale and zero_point
+    (block tensors here) and saves its mask."""
+
+    def program(scope):
+        x = leaf(4, 6)
+        on = torch.ones(1, dtype=torch.long)
+        with scope():
+            rmin = torch.full((1,), float("inf")) * 1
+            rmax = torch.full((1,), float("-inf")) * 1
+            scale = torch.ones(1) * 1
+            zp = torch.zeros(1, dtype=torch.int32) + 0
+            y = torch.fused_moving_avg_obs_fake_quant(x * 1.5, on, on, rmin, rmax, scale, zp, 0.01, 0, 255, -1)
+            y = y * scale
+        scribble_free_memory()
+        weighted_sum(y * y).backward()
+        return [x.grad]
+
+    check(program, debug=debug)

@@ -544,7 +544,7 @@ def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handl
     u.copy_(u.cos())
     plain = weakref.ref(u)
     del u
-    assert plain() is not None, "PyTorch no longer leaks this cycle: update README, Limitations"
+    assert plain() is not None, "PyTorch no longer leaks this cycle: update docs/limitations.md"
 
     with recompute_scope():
         u = a.clone()
@@ -558,7 +558,7 @@ def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handl
 def test_debug_keeps_a_block_tensor_in_a_pytorch_reference_cycle_as_plain_pytorch_does():
     # debug=True keeps a saved input as autograd does (to see a later `.data = ...`), so
     # the cycle above keeps the tensor, its record and the hook pair, exactly as plain
-    # PyTorch keeps the tensor (README, Limitations). Breaking the cycle by hand frees it.
+    # PyTorch keeps the tensor (docs/limitations.md). Breaking the cycle by hand frees it.
     a = torch.randn(4, requires_grad=True)
     with recompute_scope(debug=True):
         u = a.clone()

@@ -1,19 +1,35 @@
-"""Misuse and failures (docs/api.md and docs/troubleshooting.md): re-entering a scope object, exiting out
-of order, invalid options, an exception in the block, an exception during replay, a replay
-of a different shape, a debug=True value mismatch.  After each: the saved-tensor hook
-stack, the dispatch mode stack and grad mode are as before, and a later training step
-gives the plain program's results."""
+"""Misuse and failures (``docs/troubleshooting.md``): re-entering a scope object, exiting
+out of order, invalid options, an exception in the block, an exception during replay, a
+replay of a different shape, a debug=True value mismatch, a dispatch mode left open in a
+block, a copy of a scope inside its own block.  After each: global state as found (the
+saved-tensor hook stack, the dispatch mode stack, grad mode, ...), and a later training
+step gives the plain program's results."""
 
 import contextlib
+import copy
+import gc
+import signal
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from gradient_scope import RecomputeError, recompute, recompute_scope
 
-from _interop import clean_stacks, expect_clean_failure, repair_hook_stack  # noqa: F401
-from conftest import PlainScopes, Scopes, dispatch_depth, top_hooks
+from _contract import leaf, plain_grad
+from _interop import expect_clean_failure
+from conftest import (
+    PlainScopes,
+    Scopes,
+    assert_interception_gone,
+    assert_stacks_clean,
+    dispatch_depth,
+    global_state,
+    stat,
+    top_hooks,
+)
 
 # ----------------------------------------------------------------------------------------
 # custom ops with Python state (no autograd formula: used on tensors that do not require
@@ -43,11 +59,6 @@ def drift(x: torch.Tensor) -> torch.Tensor:
     return x * CALLS["drift"]
 
 
-def snapshot():
-    return (top_hooks(), dispatch_depth(), torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled())
-
-
 def training_step_equals_plain():
     """A small correct training step with scopes after the failure: equal to plain."""
 
@@ -69,25 +80,22 @@ def training_step_equals_plain():
         assert torch.equal(g, w)
 
 
-@pytest.fixture
-def after_check(clean_stacks):
-    before = snapshot()
-
-    def check():
-        assert snapshot() == before, f"state changed: {before} -> {snapshot()}"
-        clean_stacks()
-        training_step_equals_plain()
-        assert snapshot() == before
-        clean_stacks()
-
-    return check
+def after_check():
+    """Global state as found at the start of the test (checked without gc: the test has
+    dropped its tensors), and a later training step with scopes still gives the plain
+    program's results."""
+    assert_interception_gone()
+    assert_stacks_clean()
+    training_step_equals_plain()
+    assert_interception_gone()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
 # re-entering, exiting out of order
 
 
-def test_enter_same_scope_twice(after_check):
+def test_enter_same_scope_twice():
     a = torch.randn(3, requires_grad=True)
     s = recompute_scope()
     with pytest.raises(RuntimeError):
@@ -104,7 +112,7 @@ def test_enter_same_scope_twice(after_check):
     after_check()
 
 
-def test_enter_same_scope_twice_as_decorator_object(after_check):
+def test_enter_same_scope_twice_as_decorator_object():
     s = recompute_scope()
     a = torch.randn(3, requires_grad=True)
     s.__enter__()
@@ -117,7 +125,7 @@ def test_enter_same_scope_twice_as_decorator_object(after_check):
     after_check()
 
 
-def test_exit_out_of_order(after_check):
+def test_exit_out_of_order():
     a = torch.randn(3, requires_grad=True)
     s1, s2 = recompute_scope(), recompute_scope()
     s1.__enter__()
@@ -140,7 +148,7 @@ def test_exit_out_of_order(after_check):
     after_check()
 
 
-def test_exit_without_enter_and_twice(after_check):
+def test_exit_without_enter_and_twice():
     s = recompute_scope()
     with pytest.raises(RuntimeError):
         s.__exit__(None, None, None)
@@ -151,7 +159,7 @@ def test_exit_without_enter_and_twice(after_check):
     after_check()
 
 
-def test_exit_inner_after_outer_with_decorator(after_check):
+def test_exit_inner_after_outer_with_decorator():
     """Out-of-order exits of side-by-side (not nested) scopes from a decorated function."""
     a = torch.randn(3, requires_grad=True)
     s1, s2 = recompute_scope(), recompute_scope()
@@ -172,6 +180,55 @@ def test_exit_inner_after_outer_with_decorator(after_check):
     after_check()
 
 
+def test_entering_same_scope_twice_raises():
+    """Re-entering an active scope raises inside its block; the outer block goes on and
+    its tensors give the plain gradients."""
+    before = global_state()
+    s = recompute_scope()
+    a = torch.randn(4, requires_grad=True)
+    with s:
+        x = a.sin()
+        with pytest.raises(RuntimeError):
+            with s:
+                pass
+        y = x.exp()  # the outer block still works
+    z = (y * x).sum()
+    del x, y
+    z.backward()
+    a2 = a.detach().clone().requires_grad_()
+    x2 = a2.sin()
+    (x2.exp() * x2).sum().backward()
+    assert torch.equal(a.grad, a2.grad)
+    del z
+    assert_interception_gone(before)
+
+
+def test_exiting_out_of_order_raises():
+    """A wrong-order exit raises and changes nothing: ops run after it, with both scopes
+    still open, give the plain gradients."""
+    before = global_state()
+    s1, s2 = recompute_scope(), recompute_scope()
+    a = torch.randn(4, requires_grad=True)
+    s1.__enter__()
+    x = a.sin()
+    s2.__enter__()
+    y = x.exp()
+    with pytest.raises(RuntimeError):
+        s1.__exit__(None, None, None)
+    # the failed call changed nothing: s2 is still innermost, then s1
+    z = y * x
+    s2.__exit__(None, None, None)
+    s1.__exit__(None, None, None)
+    del x, y
+    z.sum().backward()
+    a2 = a.detach().clone().requires_grad_()
+    x2 = a2.sin()
+    (x2.exp() * x2).sum().backward()
+    assert torch.equal(a.grad, a2.grad)
+    del z
+    assert_interception_gone(before)
+
+
 # ----------------------------------------------------------------------------------------
 # invalid options
 
@@ -184,15 +241,18 @@ def test_exit_inner_after_outer_with_decorator(after_check):
         dict(preserve_rng_state=None),
         dict(enabled="no"),
         dict(debug=0),
+        dict(debug="x"),
         dict(save=42),
         dict(save=[42]),
+        pytest.param(dict(save=[object()]), id="save=[object()]"),
+        dict(save=["not an op"]),
         dict(save="mm"),
         dict(save=[torch.ops.aten.mm, "sin"]),
         dict(bogus=True),
     ],
     ids=lambda k: ",".join(f"{a}={v!r}" for a, v in k.items()),
 )
-def test_invalid_options(kwargs, after_check):
+def test_invalid_options(kwargs):
     with pytest.raises((TypeError, ValueError)):
         recompute_scope(**kwargs)
     with pytest.raises((TypeError, ValueError)):
@@ -204,7 +264,7 @@ def test_invalid_options(kwargs, after_check):
     after_check()
 
 
-def test_positional_option_rejected(after_check):
+def test_positional_option_rejected():
     with pytest.raises(TypeError):
         recompute_scope(True)
     after_check()
@@ -214,7 +274,7 @@ def test_positional_option_rejected(after_check):
 # an exception in the block
 
 
-def test_exception_in_block(after_check):
+def test_exception_in_block():
     a = torch.randn(4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
     with pytest.raises(ZeroDivisionError):
@@ -235,7 +295,7 @@ def test_exception_in_block(after_check):
     after_check()
 
 
-def test_exception_in_nested_block_and_decorated_function(after_check):
+def test_exception_in_nested_block_and_decorated_function():
     a = torch.randn(4, requires_grad=True)
 
     @recompute
@@ -262,7 +322,7 @@ def test_exception_in_nested_block_and_decorated_function(after_check):
 # failures during replay
 
 
-def test_exception_during_replay(after_check):
+def test_exception_during_replay():
     CALLS["flaky"] = 0
     x = torch.randn(5)
     w = torch.randn(5, requires_grad=True)
@@ -278,7 +338,7 @@ def test_exception_during_replay(after_check):
     after_check()
 
 
-def test_replay_different_shape(after_check):
+def test_replay_different_shape():
     SHAPE["n"] = 4
     x = torch.randn(6)
     w = torch.randn(4, requires_grad=True)
@@ -299,7 +359,7 @@ def test_replay_different_shape(after_check):
     after_check()
 
 
-def test_replay_different_shape_shape_checked_without_debug(after_check):
+def test_replay_different_shape_shape_checked_without_debug():
     """Shape is always checked, whatever the debug option."""
     SHAPE["n"] = 5
     x = torch.randn(6)
@@ -318,7 +378,7 @@ def test_replay_different_shape_shape_checked_without_debug(after_check):
     after_check()
 
 
-def test_debug_value_mismatch(after_check):
+def test_debug_value_mismatch():
     CALLS["drift"] = 0
     x = torch.randn(5)
     w = torch.randn(5, requires_grad=True)
@@ -333,7 +393,7 @@ def test_debug_value_mismatch(after_check):
     after_check()
 
 
-def test_debug_no_false_positive(after_check):
+def test_debug_no_false_positive():
     """debug=True on a faithful program (with random ops) raises nothing."""
 
     def run(scope):
@@ -355,7 +415,7 @@ def test_debug_no_false_positive(after_check):
     after_check()
 
 
-def test_failed_replay_then_retry_backward(after_check):
+def test_failed_replay_then_retry_backward():
     """After a failed replay (retain_graph=True), a second backward replays again."""
     CALLS["flaky"] = 0
     x = torch.randn(5)
@@ -371,3 +431,125 @@ def test_failed_replay_then_retry_backward(after_check):
     assert torch.equal(w.grad, expect)
     del z
     after_check()
+
+
+# ----------------------------------------------------------------------------------------
+# a dispatch mode left open in a block; a copy of a scope inside its own block
+
+
+class _UserMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_mode_left_open_in_block_restores_state():
+    """After the documented error ("a TorchDispatchMode entered inside the block is
+    still active"), PyTorch's state is exactly as before the block (plus the user's mode,
+    still open): nothing recorded afterwards, our mode off the stack, hooks gone once the
+    block's tensors die, and the block's tensors still give plain gradients."""
+    hooks0, depth0 = top_hooks(), dispatch_depth()
+    a = leaf(4)
+    scope = recompute_scope()
+    mode = _UserMode()
+    problems = []
+    try:
+        scope.__enter__()
+        h = a.sin()
+        mode.__enter__()
+        try:
+            scope.__exit__(None, None, None)
+            problems.append("no error when leaving a block with a dispatch mode still open")
+        except RuntimeError as e:
+            if "TorchDispatchMode" not in str(e):
+                problems.append(f"unexpected error: {e}")
+        if _get_current_dispatch_mode() is not mode or dispatch_depth() != depth0 + 1:
+            problems.append(
+                f"dispatch stack after the error: depth {dispatch_depth()} (expected {depth0 + 1}, "
+                "the user's mode only)"
+            )
+        mode.__exit__(None, None, None)
+        n = stat(scope, "ops_recorded")
+        x = (a * 3).exp()
+        if stat(scope, "ops_recorded") != n:
+            problems.append("ops after the failed exit are still recorded into the block")
+        if dispatch_depth() != depth0:
+            problems.append("a dispatch mode is left on the stack")
+        y = (h * h).sum() + x.sum()  # the same expression as in plain_grad below
+        del x
+        y.backward()
+        if not torch.equal(a.grad, plain_grad(lambda t: (lambda s: s * s)(t.sin()).sum() + (t * 3).exp().sum(), a)):
+            problems.append("wrong gradient through the block's tensor")
+        del h, y
+        if top_hooks() != hooks0:
+            problems.append("saved-tensor hooks left after the block's tensors died")
+    finally:
+        # hygiene for the next tests, whatever the outcome
+        if _get_current_dispatch_mode() is mode:
+            mode.__exit__(None, None, None)
+        with contextlib.suppress(Exception):
+            scope.__exit__(None, None, None)
+        gc.collect()
+    assert not problems, "; ".join(problems)
+    assert_stacks_clean()
+
+
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    def on_alarm(signum, frame):
+        raise _Timeout(f"did not return within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("which", ["deepcopy", "copy"])
+def test_copy_of_scope_inside_its_own_block(which):
+    """copy.deepcopy(scope) (and copy.copy) inside the scope's own block returns, and the
+    block still works.  A deep copy is a scope with the same options that can be entered
+    on its own (it must not copy the block's record, let alone record its own copying)."""
+    fn = copy.deepcopy if which == "deepcopy" else copy.copy
+    a = leaf(4)
+    scope = recompute_scope(preserve_rng_state=False, debug=True)
+    result: list[Any] = []
+    err = None
+    with scope:
+        h = a.sin()
+        try:
+            with _time_limit(5.0):
+                result.append(fn(scope))
+        except (_Timeout, Exception) as e:  # noqa: BLE001
+            err = f"{which}(scope) inside its block: {type(e).__name__}: {e}"
+    if err is None and which == "deepcopy":
+        dup = result[0]
+        if not isinstance(dup, recompute_scope) or repr(dup) != repr(scope):
+            err = f"deepcopy returned {dup!r}, not a scope with the options of {scope!r}"
+        else:
+            b = leaf(4)
+            try:
+                with dup:
+                    g = b.cos()
+                (g * g).sum().backward()
+            except Exception as e:  # noqa: BLE001
+                err = f"the deep copy is not a usable scope: {type(e).__name__}: {e}"
+            else:
+                if not torch.equal(b.grad, plain_grad(lambda t: (lambda g: g * g)(t.cos()), b)):
+                    err = "wrong gradient through the deep copy"
+            g = None
+    result.clear()
+    y = (h * h).sum()
+    del h
+    y.backward()
+    del y
+    gc.collect()
+    assert err is None, err
+    assert torch.equal(a.grad, plain_grad(lambda t: (lambda s: s * s)(t.sin()), a))
+    assert_stacks_clean()

@@ -1,4 +1,4 @@
-"""saved_tensors_report (docs/debugging.md): what autograd saves, by module and op.
+"""saved_tensors_report (``docs/debugging.md``): what autograd saves, by module and op.
 
 Checked against the validated CPU memory probe (what autograd holds after forward) and
 against hand counts; gradients with the report equal those of the same program without

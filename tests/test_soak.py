@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 from gradient_scope import recompute, recompute_scope
 
-from _interop import clean_stacks, repair_hook_stack  # noqa: F401
-from conftest import dispatch_depth, top_hooks
+from conftest import assert_stacks_clean, dispatch_depth, top_hooks
 
 STEPS = 500
 SAMPLES = (100, 200, 300, 400, 500)
@@ -61,7 +60,7 @@ class Net(nn.Module):
         return self.head(self._tail(x))
 
 
-def test_soak_500_steps(clean_stacks):
+def test_soak_500_steps():
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -95,4 +94,4 @@ def test_soak_500_steps(clean_stacks):
     growth = rss[SAMPLES[-1]] - rss[first]
     assert growth < RSS_NOISE, f"RSS grew by {growth / 2**20:.1f} MiB: { {i: r >> 20 for i, r in rss.items()} }"
     del model, opt
-    clean_stacks()
+    assert_stacks_clean()

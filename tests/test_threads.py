@@ -1,5 +1,6 @@
-"""Threads (docs/compatibility.md): backward may run in another thread than forward; scopes in
-several threads at once are independent.  Ground truth: the plain program, ``torch.equal``.
+"""Threads (``docs/compatibility.md``): backward may run in another thread than forward;
+scopes in several threads at once are independent.  Ground truth: the plain program,
+``torch.equal``.
 """
 
 import threading
@@ -10,8 +11,8 @@ import torch.nn.functional as F
 
 from gradient_scope import recompute_scope
 
-from _interop import clean_stacks, repair_hook_stack, run_both_clean  # noqa: F401
-from conftest import PlainScopes, Scopes, grads, top_hooks
+from _interop import run_both_clean
+from conftest import PlainScopes, Scopes, assert_stacks_clean, grads, top_hooks
 
 TIMEOUT = 60
 
@@ -40,7 +41,7 @@ def in_thread(fn, *args):
 # backward in another thread
 
 
-def test_backward_in_other_thread_tensors_dead(clean_stacks):
+def test_backward_in_other_thread_tensors_dead():
     def program(scope):
         a, b, c = (torch.randn(5, 6, requires_grad=True) for _ in range(3))
         with scope():
@@ -53,10 +54,10 @@ def test_backward_in_other_thread_tensors_dead(clean_stacks):
         return grads(dict(a=a, b=b, c=c))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_backward_in_other_thread_tensors_alive(clean_stacks):
+def test_backward_in_other_thread_tensors_alive():
     """Block tensors still alive in the forward thread while backward runs elsewhere."""
 
     def program(scope):
@@ -70,10 +71,10 @@ def test_backward_in_other_thread_tensors_alive(clean_stacks):
         return out
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_last_block_tensor_dies_in_other_thread(clean_stacks):
+def test_last_block_tensor_dies_in_other_thread():
     """The worker thread holds the only references (graph and block tensors), runs
     backward and drops them. No thread can edit another thread's hook stack, so the
     forward thread's pair stays, inert, until that thread's next safe point (here its
@@ -102,10 +103,10 @@ def test_last_block_tensor_dies_in_other_thread(clean_stacks):
     ((a @ b).exp() * b).sum().backward()
     assert torch.equal(ga, a.grad)
     assert top_hooks() == hooks0, f"forward thread left with hooks {top_hooks()}"
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_many_backwards_in_threads_with_retain_graph(clean_stacks):
+def test_many_backwards_in_threads_with_retain_graph():
     def program(scope):
         a, b = (torch.randn(6, 3, requires_grad=True) for _ in range(2))
         with scope():
@@ -119,7 +120,7 @@ def test_many_backwards_in_threads_with_retain_graph(clean_stacks):
         return dict(outs=outs, **grads(dict(a=a, b=b)))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
 # ----------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def train(seed, scope, steps=15):
     return losses, [p.detach().clone() for p in net.parameters()]
 
 
-def test_two_threads_train_concurrently(clean_stacks):
+def test_two_threads_train_concurrently():
     seeds = [1, 2]
     sequential = [train(s, Scopes()) for s in seeds]
     plain = [train(s, PlainScopes()) for s in seeds]
@@ -195,10 +196,10 @@ def test_two_threads_train_concurrently(clean_stacks):
             assert torch.equal(x, y), f"seed {s}: concurrent != sequential"
             assert torch.equal(y, z), f"seed {s}: scoped != plain"
     del results, sequential, plain
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_thread_forward_while_other_thread_backward(clean_stacks):
+def test_thread_forward_while_other_thread_backward():
     """One thread runs forwards with open scopes while another thread runs backward of
     graphs the first produced (a pipeline), results equal to the plain program."""
     import queue
@@ -232,13 +233,13 @@ def test_thread_forward_while_other_thread_backward(clean_stacks):
         return grads(dict(w=w))
 
     run_both_clean(program)
-    clean_stacks()
+    assert_stacks_clean()
 
 
-def test_forward_thread_after_other_thread_dropped_last_tensor(clean_stacks):
-    """docs/concepts.md wants the interception gone once the last block tensor dies. When it dies
+def test_forward_thread_after_other_thread_dropped_last_tensor():
+    """``docs/concepts.md`` wants the interception gone once the last block tensor dies. When it dies
     in another thread, nothing can edit this thread's (thread-local) hook stack, so our
-    pair stays -- inert, and torch.func refuses to run (docs/limitations.md) -- until this thread's
+    pair stays -- inert, and torch.func refuses to run (``docs/limitations.md``) -- until this thread's
     next safe point (entering a scope here), after which everything is clean. This test
     pins down that documented limitation."""
     hooks0 = top_hooks()
@@ -265,4 +266,4 @@ def test_forward_thread_after_other_thread_dropped_last_tensor(clean_stacks):
     assert top_hooks() == hooks0
     g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
     assert torch.equal(g, torch.ones(3).cos())
-    clean_stacks()
+    assert_stacks_clean()

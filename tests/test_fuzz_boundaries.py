@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 from gradient_scope import recompute_scope
 
-from _interop import repair_hook_stack  # noqa: F401
 from conftest import dispatch_depth, top_hooks
 
 N_EXAMPLES = int(os.environ.get("GS_HYPOTHESIS_EXAMPLES", "60"))
