@@ -247,16 +247,8 @@ def test_outside_tensor_set_inside_block_after_read():
 
 def test_limitations_document_undetectable_writes():
     """What no check can see without debug=True must be in the documented limitations
-    (``docs/limitations.md``; where that page does not exist yet, the README's
-    Limitations section): writes through .data, through numpy arrays (Tensor.numpy /
+    (``docs/limitations.md``): writes through .data, through numpy arrays (Tensor.numpy /
     torch.from_numpy) and through untyped_storage()."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    page = root / "docs" / "limitations.md"
-    if page.exists():
-        limitations = page.read_text()
-    else:
-        readme = (root / "README.md").read_text()
-        assert "## Limitations" in readme
-        limitations = readme.split("## Limitations", 1)[1].split("\n## ", 1)[0]
+    limitations = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "limitations.md").read_text()
     for needle in (".data", "numpy", "untyped_storage", "debug=True"):
         assert needle in limitations, f"the documented limitations do not mention {needle!r}"
