@@ -57,12 +57,12 @@ def checkpoint(
       through ``apply_activation_checkpointing(model,
       checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
       checkpoint_fn=gradient_scope.checkpoint), check_fn=...)``;
-    * Hugging Face transformers models:
+    * Hugging Face transformers models: prefer
+      ``gradient_scope.integrations.transformers.enable(model)`` (public
+      transformers API, guarded against transformers' own checkpointing).
+      Through transformers' switch it takes a private method:
       ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``
-      (the method ``activation_checkpointing_enable()``, formerly
-      ``gradient_checkpointing_enable()``, calls; its public form always passes
-      torch's checkpoint). Layers checkpoint only in training
-      mode, as with torch's checkpoint.
+      (``activation_checkpointing_enable()`` always passes torch's checkpoint).
 
     Args:
         function: the function to run (a module, a ``functools.partial``, ...).

@@ -203,7 +203,8 @@ def apply_recompute(
     Hugging Face transformers models: every decoder/encoder layer derives from
     ``transformers.modeling_layers.GradientCheckpointingLayer``, so
     ``apply_recompute(model, check_fn=GradientCheckpointingLayer)`` gives a
-    scope per layer.
+    scope per layer (``gradient_scope.integrations.transformers.enable(model)``
+    does it too, and guards against transformers' own checkpointing).
 
     Args:
         model: the module to modify, in place.
