@@ -40,6 +40,8 @@ def disabled() -> Iterator[None]:
     problem caused by the scopes?) and ``torch.func`` (``grad``, ``vjp``,
     ``jacrev`` refuse to run while a scope's saved-tensor hooks are on the
     stack). Usable as a decorator too. Nests; process-wide, not per thread.
+    A graph that ``torch.compile`` traced while scopes were on keeps its
+    scopes when called inside (dynamo does not recompile for the switch).
 
     Example::
 
