@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
 
 from ._errors import check_bool
 from ._scope import recompute_scope
 
 __all__ = ["checkpoint"]
+
+
+def _function_name(fn: Any) -> str:
+    """``fn`` named for errors: a module's class, ``Class.method``, a function's qualname."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', '?')}"
+    return str(getattr(fn, "__qualname__", type(fn).__name__))
 
 
 def checkpoint(
@@ -42,12 +57,12 @@ def checkpoint(
       through ``apply_activation_checkpointing(model,
       checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
       checkpoint_fn=gradient_scope.checkpoint), check_fn=...)``;
-    * Hugging Face transformers models:
+    * Hugging Face transformers models: prefer
+      ``gradient_scope.integrations.transformers.enable(model)`` (public
+      transformers API, guarded against transformers' own checkpointing).
+      Through transformers' switch it takes a private method:
       ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``
-      (the method ``activation_checkpointing_enable()``, formerly
-      ``gradient_checkpointing_enable()``, calls; its public form always passes
-      torch's checkpoint). Layers checkpoint only in training
-      mode, as with torch's checkpoint.
+      (``activation_checkpointing_enable()`` always passes torch's checkpoint).
 
     Args:
         function: the function to run (a module, a ``functools.partial``, ...).
@@ -106,5 +121,12 @@ def checkpoint(
     check_bool("gradient_scope.checkpoint", "early_stop", early_stop)
     if respect_saved_tensors_hooks is not None:
         check_bool("gradient_scope.checkpoint", "respect_saved_tensors_hooks", respect_saved_tensors_hooks)
-    with recompute_scope(preserve_rng_state=preserve_rng_state):
+    scope = recompute_scope(preserve_rng_state=preserve_rng_state)
+    if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
+        caller = sys._getframe(1)
+        scope._at(
+            (caller.f_code.co_filename, caller.f_lineno, f"gradient_scope.checkpoint({_function_name(function)})")
+        )
+        del caller  # the frame holds the caller's locals
+    with scope:
         return function(*args, **kwargs)

@@ -56,6 +56,7 @@ import torch._dynamo
 import torch._functorch.config as _functorch_config
 
 from ._errors import check_bool
+from ._options import scopes_disabled
 from ._stats import ScopeStats
 from ._torch_compat import OpOverload, op_schema
 from .policies import as_save_policy
@@ -186,7 +187,7 @@ def _prepare(
     if _MISSING is not None:
         _warn_fallback(_MISSING)
         return "eager", scope
-    if not enabled or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+    if not enabled or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
         return None, scope  # as in eager: a block that records nothing
     if len(_ENTRIES) >= 1024:  # forget scopes of graphs that no longer exist
         for key in [k for k, e in _ENTRIES.items() if e.scope() is None]:

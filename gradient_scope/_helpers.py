@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
+from ._errors import Site
 from ._scope import recompute_scope
 from .policies import as_save_policy
 
@@ -71,12 +72,15 @@ class _ScopedForward:
     ``recompute_scope(**options)``.
     """
 
-    __slots__ = ("_module", "original", "options")
+    __slots__ = ("_module", "original", "options", "site")
 
-    def __init__(self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
+    ) -> None:
         self._module = weakref.ref(module)
         self.original = original
         self.options = options
+        self.site = site  # the module path, named in errors
 
     @property
     def module(self) -> nn.Module:
@@ -94,7 +98,10 @@ class _ScopedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self._forward()
-        with recompute_scope(**self.options):
+        scope = recompute_scope(**self.options)
+        if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
+            scope._at(self.site)
+        with scope:
             return forward(*args, **kwargs)
 
     @property
@@ -111,13 +118,17 @@ class _ScopedForward:
 
     def __reduce__(self) -> Any:
         # Pickle/deepcopy with the module: the copy refers to the copied module.
-        return (_rebuild_scoped_forward, (self.module, self.original, self.options))
+        return (_rebuild_scoped_forward, (self.module, self.original, self.options, self.site))
 
 
 def _rebuild_scoped_forward(
-    module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any]
+    module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
 ) -> _ScopedForward:
-    return _ScopedForward(module, original, options)
+    return _ScopedForward(module, original, options, site)
+
+
+def _module_site(path: str, module: nn.Module) -> Site:
+    return (None, 0, f"{path or 'the model'} ({type(module).__name__}), scoped by apply_recompute")
 
 
 def _every_module(module: nn.Module) -> bool:
@@ -192,7 +203,8 @@ def apply_recompute(
     Hugging Face transformers models: every decoder/encoder layer derives from
     ``transformers.modeling_layers.GradientCheckpointingLayer``, so
     ``apply_recompute(model, check_fn=GradientCheckpointingLayer)`` gives a
-    scope per layer.
+    scope per layer (``gradient_scope.integrations.transformers.enable(model)``
+    does it too, and guards against transformers' own checkpointing).
 
     Args:
         model: the module to modify, in place.
@@ -234,7 +246,7 @@ def apply_recompute(
         raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
     select = _selector(check_fn)
     options = _scope_options("apply_recompute", scope_options)
-    chosen = [m for m in model.modules() if select(m)]
+    chosen = [(path, m) for path, m in model.named_modules(remove_duplicate=True) if select(m)]
     if not chosen:
         what = getattr(check_fn, "__qualname__", None) or repr(check_fn)
         warnings.warn(
@@ -245,16 +257,17 @@ def apply_recompute(
             stacklevel=2,
         )
         return model
-    for module in chosen:
+    for path, module in chosen:
         current = module.__dict__.get("forward")
+        site = _module_site(path, module)
         if isinstance(current, _ScopedForward):
             if current._module() is module:
-                current.options = dict(options)
+                current.options, current.site = dict(options), site
                 continue
             original = current.original  # shared by a shallow copy of another module
         else:
             original = current
-        module.__dict__["forward"] = _ScopedForward(module, original, dict(options))
+        module.__dict__["forward"] = _ScopedForward(module, original, dict(options), site)
     return model
 
 

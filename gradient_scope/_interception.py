@@ -1,7 +1,7 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-RULES I1..I5: the hook pair's invariants.
+RULES I1..I6: the hook pair's invariants.
 
 I1. While a thread has an open block or a live block tensor, exactly one pair
     of ours is on its hook stack, innermost unless a context was entered after
@@ -25,11 +25,16 @@ I4. A thread's stack is edited only by that thread, never inside our own pack
     pytorch/pytorch#130734), and never inside a backward pass (the engine
     restores the thread's stack when the pass ends): ``torch.autograd.backward``
     and ``torch.autograd.grad`` are wrapped to sweep when they return.
-I5. The patches of I3 and I4 are installed while any thread has our pair, and
+I5. The patches of I3, I4 and I6 are installed while any thread has our pair, and
     removed with the last one. Removal puts back an attribute only if it still
     holds our patch; if something wrapped ours meanwhile, ours stays in that
     chain, inert (it acts only while some thread has our pair), and is not
     installed a second time.
+I6. ``torch.autograd.graph.disable_saved_tensors_hooks`` (what ``torch.func``'s
+    grad/vjp/jacrev enter) refuses while any pair is on the stack, with its
+    caller's message; while this thread has our pair, the refusal also says that
+    the pair is ours and how to avoid it. It looks
+    ``torch._C._autograd._saved_tensors_hooks_disable`` up when it runs.
 """
 
 from __future__ import annotations
@@ -134,7 +139,7 @@ def _restore_stack(pairs: list[HookPair]) -> None:
             push_saved_hooks(*pair)
 
 
-# ---------------------------------------------------------------- patches (I3, I5)
+# ---------------------------------------------------------------- patches (I3, I5, I6)
 
 _patch_lock = threading.Lock()
 _threads_installed = 0  # threads with our pair; the patches act while > 0
@@ -161,6 +166,28 @@ def _pop_from_under_ours() -> None:
     else:
         pairs.pop()  # an unbalanced pop: do what PyTorch would do
     _restore_stack(pairs)
+
+
+TORCH_FUNC_HINT = (
+    "gradient_scope: its saved-tensor hooks are on this thread's stack, and stay there while "
+    "a tensor made in a recompute_scope is alive. Fix: let the block's tensors die first "
+    "(finish backward, `del` them), or run the scoped code with scopes turned off: "
+    "`with gradient_scope.disabled(): ...` (or GRADIENT_SCOPE_DISABLE=1)."
+)
+
+
+def _explaining_refusal(inner: Callable[[str], None]) -> Callable[[str], None]:
+    @functools.wraps(inner)
+    def disable(message: str) -> None:
+        try:
+            inner(message)
+        except RuntimeError as e:
+            st: _Thread | None = getattr(_tls, "st", None)
+            if _threads_installed == 0 or st is None or not st.installed:
+                raise
+            raise RuntimeError(f"{e}\n{TORCH_FUNC_HINT}") from None  # I6
+
+    return disable
 
 
 def _sweeping(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -212,6 +239,7 @@ _PATCHES = (
     _Patch(pop_attribute_owner(), "_pop_saved_tensors_default_hooks", _popping),
     _Patch(torch.autograd, "backward", _sweeping),
     _Patch(torch.autograd, "grad", _sweeping),
+    _Patch(pop_attribute_owner(), "_saved_tensors_hooks_disable", _explaining_refusal),
 )
 
 
@@ -225,8 +253,9 @@ def ensure_on_top(serial: int) -> None:
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
             f"({saved_hooks_disabled_message()}). This happens inside torch.func transforms "
-            "and torch.autograd.graph.disable_saved_tensors_hooks; use "
-            "recompute_scope(enabled=False) there."
+            "and torch.autograd.graph.disable_saved_tensors_hooks. Fix: turn scopes off around "
+            "the call, `with gradient_scope.disabled(): ...`, or use recompute_scope(enabled=False) "
+            "there."
         )
     st = _thread()
     if not st.installed:

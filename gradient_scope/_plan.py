@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _rng
-from ._errors import RecomputeError, internal_error
+from ._errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_error
 from ._record import NO_KWARGS, BlockRecord, Input, MetaArg, OpRecord, Ref, Var, live_value
 from ._subclass import data_storage_id, storage_freed
 from ._torch_compat import overload_kernel, without_autocast
@@ -67,23 +67,28 @@ def _input_value(r: Input, func: Any) -> Tensor:
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, has had its "
             "storage freed since forward, and it belongs to no FSDP2 parameter group (those are "
-            "gathered again for a replay). Do not free storages a block read until backward has "
-            "run, or keep this op out of the recompute_scope."
+            "gathered again for a replay). Likely cause: code that frees storages by hand "
+            "(`untyped_storage().resize_(0)`) or a sharding/offloading framework other than FSDP2. "
+            "Fix: do not free storages a block read until backward has run, or keep this op out "
+            "of the recompute_scope."
         )
     if t._version != r.version:
+        src = r.source()  # a parameter (or another leaf that requires grad): a weight update
+        weight = src is not None and (isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad))
         raise RecomputeError(
-            f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
-            f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was modified in "
-            f"place after the block (version {r.version} -> {t._version}) and before backward. "
-            "Do not modify tensors a block read until backward has run, or pass a clone into the block."
+            f"gradient_scope: cannot recompute the output of {func}: its input "
+            f"{'parameter' if weight else 'tensor'} of shape {list(t.shape)} ({t.dtype}), read from "
+            f"outside the recompute_scope, was modified in place after the block (version "
+            f"{r.version} -> {t._version}) and before backward. " + (WEIGHT_UPDATE if weight else INPUT_WRITTEN)
         )
     src = r.source()
     if src is not None and t.layout == torch.strided and data_storage_id(src) != data_storage_id(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was given another "
-            "storage after the block (`tensor.data = ...` or `set_()`). Do not replace the data of "
-            "tensors a block read until backward has run."
+            "storage after the block (`tensor.data = ...` or `set_()`). Likely cause: weights "
+            "loaded, tied or converted by assigning `.data` between forward and backward. Fix: "
+            "replace the data of tensors a block read only after backward has run."
         )
     return t
 
@@ -93,24 +98,27 @@ def _check(func: Any, var: Var, value: Any, debug_values: dict[Var, Tensor]) -> 
     if not isinstance(value, Tensor):
         raise RecomputeError(
             f"gradient_scope: replaying {func} returned {type(value).__name__} where forward "
-            f"produced a {var.describe()}. The op does not replay faithfully; keep its output "
-            "with save=[...] or move it out of the recompute_scope."
+            f"produced a {var.describe()}. Likely cause: the op's result depends on more than its "
+            "arguments (a custom op reading global state). Fix: keep its output with save=[...] "
+            "or move it out of the recompute_scope."
         )
     shape_ok = var.size is None or value.shape == var.size
     if not shape_ok or value.dtype != var.dtype or value.device != var.device:
         raise RecomputeError(
             f"gradient_scope: replaying {func} produced a tensor of shape {list(value.shape)} "
-            f"({value.dtype}, {value.device}) where forward produced a {var.describe()}. The op "
-            "does not replay faithfully; keep its output with save=[...] or move it out of the "
-            "recompute_scope."
+            f"({value.dtype}, {value.device}) where forward produced a {var.describe()}. Likely "
+            "cause: the op's result depends on more than its arguments (a custom op reading "
+            "global state, a data-dependent output shape). Fix: keep its output with save=[...] "
+            "or move it out of the recompute_scope."
         )
     ref = debug_values.get(var) if debug_values else None
     if ref is not None and not same_values(value, ref):
         raise RecomputeError(
             f"gradient_scope (debug): replaying {func} gave different values for a "
-            f"{var.describe()} than forward did. The op is not deterministic, or read state "
-            "that changed without a version bump (`.data`, a NumPy array, untyped_storage()); "
-            "keep its output with save=[...] or move it out of the recompute_scope."
+            f"{var.describe()} than forward did. Likely cause: the op is not deterministic, or "
+            "it read state that changed without a version bump (`.data`, a NumPy array, "
+            "untyped_storage()). Fix: keep its output with save=[...] or move it out of the "
+            "recompute_scope."
         )
 
 
@@ -351,7 +359,7 @@ def _run(
             except RecomputeError:
                 raise
             except Exception as e:
-                raise RecomputeError(f"gradient_scope: replaying {func} failed during backward: {e}") from e
+                raise RecomputeError(f"gradient_scope: replaying {func} failed during backward: {e}. {_FAILED}") from e
             del args, kwargs
             for k, var in outputs:
                 v = out if k == 0 and isinstance(out, Tensor) else out[k]
@@ -378,6 +386,13 @@ def _run(
     if result is None:
         internal_error(f"replay did not produce the {target.describe()}")
     return result, produced
+
+
+_FAILED = (
+    "Likely cause: something the op depends on changed between forward and backward without the "
+    "block seeing it, or the op cannot run twice. Fix: keep its output with save=[...] or move it "
+    "out of the recompute_scope."
+)
 
 
 def _load(r: Ref, func: Any, cache: dict[Key, Tensor]) -> Tensor:

@@ -246,7 +246,7 @@ class Frame:
     """The options and counters of one scope recording into a block (nested
     scopes record into the enclosing block, each with its own frame)."""
 
-    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "owner", "ledger", "_kept")
+    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "owner", "ledger", "site", "_kept")
 
     def __init__(
         self, preserve_rng: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats, serial: int
@@ -261,6 +261,7 @@ class Frame:
         # registry entries reach it here) and the recording thread's ledger.
         self.owner: BlockOwner | None = None
         self.ledger: Ledger | None = None
+        self.site: Any = None  # where the scope was entered (``_errors.Site``), for errors
         self._kept: dict[Any, bool] = {}
 
     def keeps(self, func: Any) -> bool:

@@ -49,7 +49,7 @@ import weakref
 
 import torch
 
-from . import _recorder
+from . import _errors, _recorder
 from ._errors import RecomputeError, inplace_error, internal_error
 from ._plan import Derived, replay, same_values
 from ._record import BlockRecord, Var, ViewSpec, moved
@@ -86,7 +86,11 @@ class Handle:
         self.itself = itself
 
     def unpack(self) -> Tensor:
-        return materialize(self)
+        try:
+            return materialize(self)
+        except RecomputeError as e:
+            _errors.with_site(e, self.var.frame.site)
+            raise
 
     def __del__(self) -> None:
         # Autograd released this saved tensor (P7). At interpreter shutdown the

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import os
+import sys
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar, overload
 
@@ -12,7 +14,8 @@ import torch
 
 from . import _interception, _recorder
 from ._entry import OpenBlock
-from ._errors import check_bool
+from ._errors import Site, check_bool
+from ._options import scopes_disabled
 from ._record import BlockRecord, Frame
 from ._replay import ReplayState
 from ._stats import ScopeStats
@@ -44,6 +47,20 @@ def set_traced_block(fn: Callable[..., Any]) -> Callable[[], None]:
     return remove
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_site() -> Site:
+    """File and line of the code that entered the scope: the innermost frame
+    outside this package (a decorated function's wrapper, a helper's scope).
+    Two attribute reads per frame; the frame itself is not kept (it would keep
+    the caller's locals alive)."""
+    f = sys._getframe(2)
+    while f.f_back is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno, None)
+
+
 class recompute_scope:
     """Don't keep tensors created in this block for backward: recompute them.
 
@@ -62,8 +79,13 @@ class recompute_scope:
         debug: compare each recomputed value with what forward computed and
             raise :class:`RecomputeError` naming the op on a mismatch.
 
-    Used as a decorator, each call of the function is its own block (each
-    resumption, for a generator function or an ``async def`` function).
+    Used as a decorator (``@recompute_scope()``, or bare ``@recompute_scope``
+    as with ``@torch.no_grad``), each call of the function is its own block
+    (each resumption, for a generator function or an ``async def`` function).
+
+    Bools accept ``numpy.bool_`` too. ``gradient_scope.disabled()`` and the
+    environment variable ``GRADIENT_SCOPE_DISABLE=1`` turn every scope into a
+    no-op (read when the scope is entered).
 
     Inside code that ``torch.compile`` traces, the block is part of the compiled
     graph: the compiled backward recomputes its tensors (nothing is recorded in
@@ -81,6 +103,13 @@ class recompute_scope:
     """
 
     def __new__(cls, *args: Any, **options: Any) -> Any:
+        if args:  # the bare decorator, ``@recompute_scope`` (as ``@torch.no_grad``)
+            if len(args) > 1 or options or not callable(args[0]):
+                raise TypeError(
+                    "recompute_scope() takes keyword options only, e.g. recompute_scope(save=...); "
+                    "as a decorator use @recompute_scope or @recompute_scope(option=...)"
+                )
+            return _decorate(args[0], {})
         # While dynamo traces, a scope is an annotation of the compiled graph
         # (gradient_scope._compile); None there means "run it eagerly".
         if _dynamo_compiling() and _traced_block:
@@ -109,6 +138,12 @@ class recompute_scope:
         self._frame: Frame | None = None
         self._nested = False
         self._active = False
+        self._site: Site | None = None  # set by helpers that know the module path
+
+    def _at(self, site: Site) -> recompute_scope:
+        """This scope, reporting ``site`` as where its block was entered (in errors)."""
+        self._site = site
+        return self
 
     @property
     def stats(self) -> ScopeStats:
@@ -131,9 +166,10 @@ class recompute_scope:
             )
         self._active = True
         opts = self._options
-        if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
             self._block = None  # records nothing: a plain block
             return self
+        site = self._site if self._site is not None else _caller_site()
         serial = next(_serials)
         try:
             _interception.ensure_on_top(serial)
@@ -141,6 +177,7 @@ class recompute_scope:
             self._active = False
             raise
         frame = self._frame = Frame(opts["preserve_rng_state"], self._save, opts["debug"], self._stats, serial)
+        frame.site = site
         outer = _recorder.innermost()
         if outer is not None:  # nested in an open block of this thread: record into it
             outer.push(frame)
@@ -185,6 +222,14 @@ class recompute_scope:
 
     def __call__(self, fn: F) -> F:
         return _decorate(fn, self._options)  # type: ignore[return-value]
+
+
+# The real options for help(), inspect.signature and IDEs (``__new__`` takes
+# ``*args`` for the bare decorator form).
+_init_signature = inspect.signature(recompute_scope.__init__)
+recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-defined]
+    parameters=list(_init_signature.parameters.values())[1:], return_annotation=inspect.Signature.empty
+)
 
 
 def _rebuild_scope(options: dict[str, Any]) -> recompute_scope:

@@ -94,7 +94,8 @@ def top_saved_hooks() -> HookPair | None:
 
 def pop_attribute_owner() -> Any:
     """The module object whose ``_pop_saved_tensors_default_hooks`` attribute
-    ``saved_tensors_hooks.__exit__`` looks up at call time."""
+    ``saved_tensors_hooks.__exit__`` looks up at call time (and whose
+    ``_saved_tensors_hooks_disable`` ``disable_saved_tensors_hooks`` does)."""
     return _A
 
 

@@ -62,6 +62,7 @@ def patchable():
         torch.autograd.grad,
         torch._C._autograd._push_saved_tensors_default_hooks,
         torch._C._autograd._pop_saved_tensors_default_hooks,
+        torch._C._autograd._saved_tensors_hooks_disable,
     )
 
 
@@ -113,7 +114,7 @@ def assert_stacks_clean():
     assert dispatch_depth() == _BASELINE["dispatch_stack_len"], "dispatch mode left on the stack"
     assert patchable() == _BASELINE_PATCHED[0], (
         "PyTorch functions left patched (saved_tensors_hooks.__enter__/__exit__, "
-        "autograd.backward/grad, _push/_pop_saved_tensors_default_hooks): "
+        "autograd.backward/grad, _push/_pop_saved_tensors_default_hooks, _saved_tensors_hooks_disable): "
         f"{patchable()} != {_BASELINE_PATCHED[0]}"
     )
 

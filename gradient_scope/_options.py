@@ -1,0 +1,87 @@
+"""Option values and the process-wide switch that turns every scope off.
+
+The switch is read when a scope is entered (``recompute_scope.__enter__``, and
+while ``torch.compile`` traces a scope): a scope entered while it is on records
+nothing, exactly like ``recompute_scope(enabled=False)``. Blocks entered before
+it was turned on keep recomputing their tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+__all__ = ["disabled", "scopes_disabled", "ENV_VAR"]
+
+#: The environment variable that turns every scope off (``1``, ``true``, ``yes``, ``on``).
+ENV_VAR = "GRADIENT_SCOPE_DISABLE"
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"", "0", "false", "no", "off"})
+
+_lock = threading.Lock()
+_depth = 0  # open ``disabled()`` contexts, all threads together
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Turn every scope into a no-op while the ``with`` block runs, in all threads.
+
+    Scopes entered inside (``with recompute_scope()``, ``@recompute``, the scopes
+    of :func:`apply_recompute` and :func:`checkpoint`, compiled code traced
+    inside) record nothing, as with ``enabled=False``: their tensors are stored
+    as without the library. Blocks entered before keep recomputing their
+    tensors. Without touching code, the environment variable
+    ``GRADIENT_SCOPE_DISABLE=1`` does the same for the whole process (read
+    each time a scope is entered).
+
+    For A/B runs (the same script with and without scopes), debugging (is a
+    problem caused by the scopes?) and ``torch.func`` (``grad``, ``vjp``,
+    ``jacrev`` refuse to run while a scope's saved-tensor hooks are on the
+    stack). Usable as a decorator too. Nests; process-wide, not per thread.
+    A graph that ``torch.compile`` traced while scopes were on keeps its
+    scopes when called inside (dynamo does not recompile for the switch).
+
+    Example::
+
+        >>> import torch
+        >>> import gradient_scope
+        >>> from gradient_scope import recompute_scope
+        >>> def loss_fn(w, x):
+        ...     with recompute_scope():
+        ...         h = (x @ w).tanh()
+        ...     return (h * h).sum()
+        >>> w, x = torch.randn(4, 4), torch.randn(2, 4)
+        >>> with gradient_scope.disabled():
+        ...     g = torch.func.grad(loss_fn)(w, x)
+        >>> g.shape
+        torch.Size([4, 4])
+    """
+    global _depth
+    with _lock:
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+
+
+def scopes_disabled() -> bool:
+    """Whether a scope entered now records nothing (:func:`disabled` or the environment)."""
+    if _depth:
+        return True
+    value = os.environ.get(ENV_VAR)
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise ValueError(
+        f"gradient_scope: the environment variable {ENV_VAR}={value!r} is neither on "
+        f"({', '.join(sorted(_ON))}) nor off ({', '.join(repr(x) for x in sorted(_OFF))}). "
+        f"Set {ENV_VAR}=1 to turn every recompute_scope off, or unset it."
+    )

@@ -1,0 +1,195 @@
+"""Hugging Face transformers: one :class:`~gradient_scope.recompute_scope` per layer.
+
+Every decoder/encoder layer of a transformers model derives from the public
+``transformers.modeling_layers.GradientCheckpointingLayer``. :func:`enable`
+runs every ``every_n_layers``-th of them in its own scope (with
+:func:`~gradient_scope.apply_recompute`), :func:`disable` undoes it. Only public
+transformers API is used: the layer class, each layer's ``gradient_checkpointing``
+flag, and the model's ``activation_checkpointing_disable()`` (or, before 5.23,
+``gradient_checkpointing_disable()``).
+
+Transformers' own activation checkpointing and scopes on the same layers would
+recompute each layer twice. When it is on as well -- turned on before or after
+:func:`enable`, e.g. by ``Trainer`` with ``activation_checkpointing=True`` (or
+``gradient_checkpointing=True``), which calls ``activation_checkpointing_enable()``
+when training starts -- the next training forward (module in training mode, grad
+enabled) turns transformers' checkpointing off through the model's own
+``activation_checkpointing_disable()`` and warns once (``UserWarning``): **scopes
+win**. It warns again only if something turns it on again.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+try:
+    from transformers import PreTrainedModel
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError as e:  # pragma: no cover (transformers is in the test extra)
+    raise ImportError(
+        "gradient_scope.integrations.transformers needs Hugging Face transformers (pip install 'transformers>=5.20')"
+    ) from e
+
+from .._helpers import apply_recompute
+
+__all__ = ["enable", "disable"]
+
+_ABSENT = object()
+
+
+class _Guard:
+    """Forward pre-hook of the model passed to :func:`enable`: before a training
+    forward, turns transformers' own checkpointing off if it is on (scopes win)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        self.layers = layers  # every GradientCheckpointingLayer of the model
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return  # transformers checkpoints only training forwards with grad
+        if not any(layer.gradient_checkpointing for layer in self.layers):
+            return
+        _turn_off_hf_checkpointing(module)
+        still_on = [type(layer).__name__ for layer in self.layers if layer.gradient_checkpointing]
+        if still_on:
+            raise RuntimeError(
+                "gradient_scope.integrations.transformers: transformers' own activation checkpointing is "
+                f"on for layers ({', '.join(sorted(set(still_on)))}) that no PreTrainedModel of this model "
+                "can turn off, and scopes run on the same layers: each layer would be recomputed twice. "
+                "Turn it off (activation_checkpointing_disable()) or call disable(model)."
+            )
+        warnings.warn(
+            "gradient_scope.integrations.transformers: the model's own activation checkpointing was on "
+            "as well as scopes (activation_checkpointing_enable() / gradient_checkpointing_enable(), e.g. "
+            "Trainer with activation_checkpointing=True or gradient_checkpointing=True), which would "
+            "recompute each layer twice. It has been turned off with activation_checkpointing_disable(): "
+            "the layers run in scopes only. Leave activation_checkpointing off in the TrainingArguments, or "
+            "call gradient_scope.integrations.transformers.disable(model) to use transformers' instead.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _turn_off_hf_checkpointing(model: nn.Module) -> None:
+    """Call the public disable method of each outermost PreTrainedModel in ``model``
+    whose layers checkpoint (it turns off its submodels' too)."""
+    for m in model.modules():
+        if not isinstance(m, PreTrainedModel):
+            continue
+        if not any(getattr(x, "gradient_checkpointing", False) is True for x in m.modules()):
+            continue
+        off = getattr(m, "activation_checkpointing_disable", None)  # transformers >= 5.23
+        if off is None:
+            off = m.gradient_checkpointing_disable
+        off()
+
+
+class _Enabled:
+    """What :func:`enable` changed on one model, for :func:`disable`."""
+
+    __slots__ = ("before", "handle")
+
+    def __init__(self, before: list[tuple[nn.Module, Any]], handle: Any) -> None:
+        self.before = before  # (layer, its ``forward`` instance attribute or _ABSENT)
+        self.handle = handle  # the guard's hook
+
+
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, _Enabled] = weakref.WeakKeyDictionary()
+
+
+def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> nn.Module:
+    """Run every ``every_n_layers``-th transformers layer of ``model`` in its own scope.
+
+    The layers are the model's ``GradientCheckpointingLayer`` instances (every
+    decoder/encoder layer of a transformers model), counted in
+    ``model.modules()`` order as transformers' ``every_n_layers`` counts them:
+    layers 0, n, 2n, ... Each call of such a layer's forward runs in a fresh
+    ``recompute_scope(**scope_options)``: its activations are recomputed in
+    backward instead of stored, with the gradients of the plain model.
+    ``model`` may be a transformers model or any module holding one (a PEFT
+    ``PeftModel``, a wrapper). Calling it again replaces the options.
+
+    If transformers' own activation checkpointing is on too (before or after
+    this call; ``Trainer(activation_checkpointing=True)`` turns it on when
+    training starts), the next training forward turns it off through the
+    model's ``activation_checkpointing_disable()`` and warns once: scopes win.
+
+    Args:
+        model: the model, changed in place.
+        every_n_layers: scope layers 0, n, 2n, ... (1: every layer).
+        **scope_options: options of each scope (``save=``, ``preserve_rng_state=``,
+            ``debug=``, ...), passed on to :func:`~gradient_scope.apply_recompute`.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``model`` has no ``GradientCheckpointingLayer``, or
+            ``every_n_layers`` is not a positive int.
+
+    Example::
+
+        >>> import torch, transformers
+        >>> import gradient_scope.integrations.transformers as gs_hf
+        >>> cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+        >>> model = transformers.LlamaForCausalLM(cfg).train()
+        >>> _ = gs_hf.enable(model)
+        >>> ids = torch.randint(0, 64, (2, 8))
+        >>> model(input_ids=ids, labels=ids).loss.backward()   # layers recomputed in backward
+        >>> _ = gs_hf.disable(model)                              # back to plain layers
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"enable: model must be a torch.nn.Module, got {type(model).__name__}")
+    if type(every_n_layers) is not int or every_n_layers < 1:
+        raise ValueError(f"enable: every_n_layers must be a positive int, got {every_n_layers!r}")
+    layers: list[nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(
+            f"enable: {type(model).__name__} has no transformers GradientCheckpointingLayer (the base "
+            "class of transformers' decoder/encoder layers). For other models use "
+            "gradient_scope.apply_recompute(model, check_fn=YourBlock)."
+        )
+    if model in _ENABLED:
+        disable(model)
+    chosen = layers[::every_n_layers]
+    ids = {id(m) for m in chosen}
+    before = [(m, m.__dict__.get("forward", _ABSENT)) for m in chosen]
+    # Validates the options (unknown or invalid ones raise) before changing anything.
+    apply_recompute(model, check_fn=lambda m: id(m) in ids, **scope_options)
+    handle = model.register_forward_pre_hook(_Guard(layers))
+    _ENABLED[model] = _Enabled(before, handle)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable` on ``model``: each layer's forward is as it was before.
+
+    Scopes applied separately (``apply_recompute``) stay. transformers'
+    checkpointing, if :func:`enable` turned it off, stays off (turn it on again
+    with ``model.activation_checkpointing_enable()``).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: :func:`enable` was not called on ``model`` (or it was disabled).
+    """
+    state = _ENABLED.pop(model, None)
+    if state is None:
+        raise ValueError(
+            f"disable: gradient_scope.integrations.transformers.enable() was not called on this "
+            f"{type(model).__name__} (or disable() already was)."
+        )
+    state.handle.remove()
+    for layer, forward in state.before:
+        if forward is _ABSENT:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.__dict__["forward"] = forward
+    return model
