@@ -8,7 +8,7 @@ on the quickstart's GPT (one step each).
 * what ``apply_recompute(model)`` with the default ``check_fn`` (every module: one scope
   around the whole model) does to the peak, next to a scope per block.
 
-Memory comes from the validated CPU probe (``benchmarks/memory.py``): "held" is what stays
+Memory comes from the validated CPU probe (``benchmarks/_harness/memory.py``): "held" is what stays
 allocated after forward (what autograd and the scopes keep), "peak" the highest level
 during forward + backward. Same seed, same data for every variant.
 """
@@ -25,12 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-from benchmarks.memory import profile_cpu_memory
+from benchmarks._harness import MiB, profile_cpu_memory
 from gradient_scope import apply_recompute, recompute_scope
 
 import quickstart as qs
-
-MiB = 2**20
 
 
 def measure(recompute: bool, setup: Callable[[Any], Any] | None = None, debug: bool = False) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.compiled [--quick] [--threads N] [--rounds N] [--out DIR]
 
-Runs, on the benchmark GPT (``benchmarks/model.py``), from the same seed, in one process,
+Runs, on the benchmark GPT (``benchmarks/gpt.py``), from the same seed, in one process,
 each strategy compiled with ``torch.compile(model, backend="inductor", fullgraph=True)``:
 
 * ``plain``: no recomputation;
@@ -17,7 +17,7 @@ each strategy compiled with ``torch.compile(model, backend="inductor", fullgraph
 Measured per strategy: **saved for backward**, the bytes of the distinct storages that
 autograd keeps for backward (a saved-tensor hook around the compiled call; parameters and
 the batch are not counted), **held after forward** and **peak** of forward + backward
-(``benchmarks/memory.py``: the CPU profiler's allocation log), and the **step time** of
+(``benchmarks/_harness/memory.py``: the CPU profiler's allocation log), and the **step time** of
 one forward + backward (median over interleaved rounds, order rotated each round, ratios
 are medians of per-round ratios). Gradients are compared with compiled ``plain``'s.
 
@@ -33,10 +33,7 @@ Results go to ``benchmarks/results/cpu-compiled/`` (``--quick``: ``cpu-compiled-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -44,19 +41,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
-from ._common import MiB, machine_info
-from ._common import quartiles as _quartiles
-from .memory import measure
-from .model import GPT, GPTConfig, make_batch
-from .overhead import sac_context
+from ._harness import (
+    AA,
+    MiB,
+    apply_gpt_strategy,
+    frozen_gc,
+    header_lines,
+    interleaved_rounds,
+    load_average,
+    machine_info,
+    make_log,
+    measure,
+    quartiles,
+    ratio_summary,
+    results_dir,
+    targets_markdown,
+    time_step,
+    write_results,
+)
+from .gpt import GPT, GPTConfig, make_batch
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act"]
-AA = "plain_again"
 DESCRIPTIONS = {
     "plain": "no recomputation",
     "checkpoint": "torch.utils.checkpoint per layer (use_reentrant=False)",
@@ -75,49 +83,6 @@ QUICK = dict(
     threads=1,
 )
 CHAIN_OPS = 1000
-
-
-# ---------------------------------------------------------------------- strategies
-
-
-def _scope_ctx(kind: str) -> Any:
-    return recompute_scope()
-
-
-def _mlp_only_ctx(kind: str) -> Any:
-    return recompute_scope() if kind == "mlp_act" else contextlib.nullcontext()
-
-
-def _checkpoint_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return checkpoint(block, x, use_reentrant=False)
-
-
-def _sac_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return checkpoint(block, x, use_reentrant=False, context_fn=sac_context)
-
-
-def _scope_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with recompute_scope():
-        return block(x)
-
-
-def apply_compiled_strategy(model: GPT, name: str) -> None:
-    """Point the model's strategy hooks at ``name`` (nothing is recorded per call)."""
-    model.reset_strategy()
-    if name in ("plain", AA):
-        return
-    if name == "checkpoint":
-        model.layer_call = _checkpoint_layer
-    elif name == "sac_matmul":
-        model.layer_call = _sac_layer
-    elif name == "scope_layer":
-        model.layer_call = _scope_layer
-    elif name == "scope_mlp":
-        model.act_ctx = _mlp_only_ctx
-    elif name == "scope_act":
-        model.act_ctx = _scope_ctx
-    else:
-        raise ValueError(f"unknown strategy {name!r}")
 
 
 class SavedBytes:
@@ -156,7 +121,7 @@ class CompiledBench:
                 torch.manual_seed(seed)  # the same weights in every copy
                 m = GPT(cfg)
                 m.train()
-            apply_compiled_strategy(m, name)
+            apply_gpt_strategy(m, name)  # module-level hooks: nothing is recorded per call
             self.models[name] = m
             self.compiled[name] = (
                 self.compiled["plain"] if name == AA else torch.compile(m, backend="inductor", fullgraph=True)
@@ -165,20 +130,17 @@ class CompiledBench:
     def step(self, name: str) -> torch.Tensor:
         self.models[name].zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)  # same dropout masks for every strategy
-        loss = self.compiled[name](self.x, self.y)
-        loss.backward()
-        return loss
+        return self._fwd_bwd(name)
 
     def timed_step(self, name: str) -> float:
         self.models[name].zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)
-        gc.collect()
-        t0 = time.perf_counter()
+        return time_step(lambda: self._fwd_bwd(name))
+
+    def _fwd_bwd(self, name: str) -> torch.Tensor:
         loss = self.compiled[name](self.x, self.y)
         loss.backward()
-        dt = time.perf_counter() - t0
-        del loss
-        return dt
+        return loss
 
     def profiled_step(self, name: str) -> dict[str, Any]:
         model = self.models[name]
@@ -229,26 +191,10 @@ def run_compiled_suite(cfg: GPTConfig, rounds: int, seed: int, log: Callable[[st
         r["compile_s"] = compile_s[name]
         res[name] = r
     timed = [*STRATEGIES, AA]
-    gc.collect()
-    gc.freeze()
-    try:
-        times: dict[str, list[float]] = {k: [] for k in timed}
-        for rd in range(rounds):
-            k = rd % len(timed)
-            for name in timed[k:] + timed[:k]:
-                times[name].append(bench.timed_step(name))
-    finally:
-        gc.unfreeze()
-    for name in timed:
-        t = times[name]
-        r = res.setdefault(name, {})
-        r["times_s"] = t
-        r["time_median_s"] = statistics.median(t)
-        r["time_quartiles_s"] = _quartiles(t)
-        for base in ("plain", "checkpoint"):
-            ratios = [a / b for a, b in zip(t, times[base])]
-            r[f"ratio_vs_{base}"] = statistics.median(ratios)
-            r[f"ratio_vs_{base}_quartiles"] = _quartiles(ratios)
+    with frozen_gc():
+        times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
+    for name, summary in ratio_summary(times).items():
+        res.setdefault(name, {}).update(summary)
     log(f"  suite: {time.perf_counter() - t0:.1f} s")
     return {"config": cfg.asdict(), "strategies": res}
 
@@ -282,16 +228,7 @@ def run_chain(rounds: int, n: int = CHAIN_OPS) -> dict[str, Any]:
     for f in configs.values():  # compile, warm up
         f().sum().backward()
         f()
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    names = list(configs)
-    for rd in range(rounds):
-        k = rd % len(names)
-        for name in names[k:] + names[:k]:
-            gc.collect()
-            t0 = time.perf_counter()
-            out = configs[name]()
-            times[name].append(time.perf_counter() - t0)
-            del out
+    times = interleaved_rounds({name: (lambda f=f: time_step(f)) for name, f in configs.items()}, rounds)
     us = {k: 1e6 * statistics.median(v) / n for k, v in times.items()}
     per_round = {
         "compiled_scope-compiled": [1e6 * (a - b) / n for a, b in zip(times["compiled_scope"], times["compiled"])],
@@ -302,7 +239,7 @@ def run_chain(rounds: int, n: int = CHAIN_OPS) -> dict[str, Any]:
         "rounds": rounds,
         "us_per_op": us,
         "scope_cost_us_per_op": {k: statistics.median(v) for k, v in per_round.items()},
-        "scope_cost_us_per_op_quartiles": {k: _quartiles(v) for k, v in per_round.items()},
+        "scope_cost_us_per_op_quartiles": {k: quartiles(v) for k, v in per_round.items()},
         "times_s": times,
     }
 
@@ -355,37 +292,27 @@ def compute_targets(main: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def to_markdown(results: dict[str, Any]) -> str:
-    m, main, chain = results["machine"], results["main"], results["chain"]
+    main, chain = results["main"], results["chain"]
     cfg = GPTConfig(**main["config"])
     s = main["strategies"]
     pl = s["plain"]
     lines = [
-        "# gradient_scope benchmarks: compiled strategies (inductor)",
-        "",
-        f"Generated by `python -m benchmarks.compiled {' '.join(results['argv'])}` on {m['date']} "
-        f"in {results['duration_s']:.0f} s.",
-        "",
-        f"- machine: {m['cpu_model']}, {m['cpu_cores']} cores (torch threads: {m['torch_threads']})",
-        f"- torch {m['torch']}, Python {m['python']}, gradient_scope {m['gradient_scope']}"
-        + (f" (git {m['git_commit']})" if m.get("git_commit") else ""),
-        f"- load average at start: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_start', []))};"
-        f" at end: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_end', []))}"
-        " (the machine is shared: step times are noisy, see the A/A row)",
+        *header_lines(
+            "# gradient_scope benchmarks: compiled strategies (inductor)",
+            "benchmarks.compiled",
+            results,
+            load_note=" (the machine is shared: step times are noisy, see the A/A row)",
+        ),
         f"- model: {cfg.describe()}",
         '- every strategy: `torch.compile(model, backend="inductor", fullgraph=True)`, one fwd+bwd step '
         "(no optimizer), same weights, batch and seed",
         "- saved for backward: distinct storages autograd keeps (saved-tensor hook around the compiled call; "
-        "parameters and batch excluded); held / peak: CPU profiler (benchmarks/memory.py)",
+        "parameters and batch excluded); held / peak: CPU profiler (benchmarks/_harness/memory.py)",
         f"- step time: median of {results['rounds']} interleaved rounds; ratios are medians of per-round ratios",
         "",
         "## Targets",
         "",
-        "| target | measured | met? | note |",
-        "| --- | --- | --- | --- |",
-    ]
-    for t in results["targets"]:
-        lines.append(f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} | {t['note']} |")
-    lines += [
+        targets_markdown(results["targets"]),
         "",
         "## Strategies",
         "",
@@ -440,6 +367,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line entry point; returns the results dict."""
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.compiled", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, few rounds")
@@ -454,23 +382,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     rounds = a.rounds or preset["rounds"]
-    out_dir = a.out or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results", "cpu-compiled-quick" if a.quick else "cpu-compiled"
-    )
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir(a.out, "cpu-compiled-quick" if a.quick else "cpu-compiled")
     # One compiled copy of the model per strategy: more than dynamo's default number of
     # cached variants of GPT.forward.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     t0 = time.perf_counter()
-    log = lambda msg: print(msg, flush=True)
+    log = make_log(t0)
     machine = machine_info("cpu")
     log(f"compiled strategies on {GPTConfig(**preset['model'].asdict()).describe()}")
     main_res = run_compiled_suite(preset["model"], rounds, a.seed, log)
     chain = None if a.no_chain else run_chain(preset["chain_rounds"])
-    try:
-        machine["load_average_at_end"] = list(os.getloadavg())
-    except OSError:
-        pass
+    la = load_average()
+    if la is not None:
+        machine["load_average_at_end"] = la
     results: dict[str, Any] = {
         "argv": argv,
         "machine": machine,
@@ -481,11 +405,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "duration_s": time.perf_counter() - t0,
     }
     results["targets"] = compute_targets(main_res)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
     md = to_markdown(results)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(md)
+    write_results(out_dir, results, md)
     print("\n" + md)
     log(f"written to {out_dir}")
     return results

@@ -1,7 +1,7 @@
 """Memory with FSDP2 and tensor parallelism: bytes held after forward and peak, plain vs scoped.
 
 ``python -m benchmarks.distributed_memory`` spawns 2 gloo ranks on 127.0.0.1 (CPU) and
-measures, with the CPU probe of :mod:`benchmarks.memory` on rank 0 (each run measured
+measures, with the CPU probe of :mod:`benchmarks._harness.memory` on rank 0 (each run measured
 twice, the second one reported, so that one-time allocations are not counted):
 
 * FSDP2: 3 residual MLP layers (``d -> 4d -> d``), each ``fully_shard``ed, each output
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gradient_scope import apply_recompute, recompute_scope
 
-from .memory import profile_cpu_memory
+from ._harness import profile_cpu_memory
 
 WORLD = 2
 

@@ -45,50 +45,18 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
+from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
-from ._common import frozen_gc, interleaved_rounds
+from ._harness import frozen_gc, interleaved_rounds, sac_context
 
-__all__ = ["run_overhead", "NopMode", "MATMUL_OPS", "sac_policy"]
+__all__ = ["run_overhead", "format_overhead", "NopMode"]
 
 
 class NopMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
-
-
-_aten = torch.ops.aten
-MATMUL_OPS = frozenset(
-    {
-        _aten.mm.default,
-        _aten.bmm.default,
-        _aten.addmm.default,
-        _aten.baddbmm.default,
-        _aten.addbmm.default,
-        _aten.mv.default,
-        _aten.addmv.default,
-        _aten.dot.default,
-        _aten._scaled_dot_product_flash_attention_for_cpu.default,
-        _aten._scaled_dot_product_flash_attention.default,
-        _aten._scaled_dot_product_efficient_attention.default,
-        _aten._scaled_dot_product_cudnn_attention.default,
-    }
-)
-
-
-def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing: save matmul-like outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def sac_context():
-    return create_selective_checkpoint_contexts(sac_policy)
 
 
 def _chain(h: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The benchmarks' CPU memory probe (benchmarks/memory.py) on known allocation patterns."""
+"""The benchmarks' CPU memory probe (benchmarks/_harness/memory.py) on known allocation patterns."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.memory import measure, profile_cpu_memory
+from benchmarks._harness import measure, profile_cpu_memory
 
 MiB = 2**20
 
@@ -104,7 +104,7 @@ def test_cuda_probe():
 def test_ideal_analysis_accounts_for_plain_held():
     """benchmarks/ideal.py: the distinct storages plain autograd saves add up to the held
     memory the probe measures (up to the scalar loss)."""
-    from benchmarks.model import GPTConfig
+    from benchmarks.gpt import GPTConfig
     from benchmarks.run import Bench
 
     cfg = GPTConfig(vocab=64, seq=16, d_model=32, n_head=2, n_layer=2, batch=2)

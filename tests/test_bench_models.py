@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("transformers")
 
 from benchmarks import models as bm
+from benchmarks._harness import compare_tensors
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,12 @@ def test_depth_sweep_and_targets(results):
 def test_compare_reports_differences():
     a = {"w": torch.zeros(3), "n": torch.tensor(1)}
     b = {"w": torch.tensor([0.0, 0.5, 0.0]), "n": torch.tensor(2)}
-    c = bm._compare(a, b)
+    c = compare_tensors(a, b)
     assert not c["bitwise_equal"]
     assert c["max_abs_diff"] == 1.0
     assert sorted(c["differing"]) == ["n", "w"]
-    assert bm._compare(a, {k: v.clone() for k, v in a.items()})["bitwise_equal"]
-    assert not bm._compare(a, {"w": a["w"]})["bitwise_equal"]
+    assert compare_tensors(a, {k: v.clone() for k, v in a.items()})["bitwise_equal"]
+    assert not compare_tensors(a, {"w": a["w"]})["bitwise_equal"]
 
 
 def test_unknown_strategy_is_an_error():

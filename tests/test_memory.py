@@ -470,7 +470,7 @@ def test_scoped_training_step_makes_no_reference_cycles():
 def test_backward_peak_not_above_checkpoint_at_depth(layers):
     """A scope per block peaks no higher than torch.utils.checkpoint per block, at any
     depth: a block's record, cache and input alias are freed once its backward is done
-    (measured with the validated CPU probe of benchmarks/memory.py)."""
+    (measured with the validated CPU probe of benchmarks/_harness/memory.py)."""
     import os
     import sys
 
@@ -479,7 +479,7 @@ def test_backward_peak_not_above_checkpoint_at_depth(layers):
     from gradient_scope import apply_recompute
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks.memory import measure
+    from benchmarks._harness import measure
 
     x = torch.randn(64, 256, requires_grad=True)  # a block input is 64 KiB
 

@@ -9,7 +9,7 @@ The one-liners the README documents:
   ``gradient_scope.checkpoint``.
 
 Each gives gradients bitwise equal to the plain model (same seeds) and holds less
-memory after forward (the validated CPU probe of ``benchmarks/memory.py``).
+memory after forward (the validated CPU probe of ``benchmarks/_harness/memory.py``).
 """
 
 import os
@@ -24,7 +24,7 @@ import gradient_scope
 from gradient_scope import apply_recompute, remove_recompute, saved_tensors_report
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.memory import profile_cpu_memory
+from benchmarks._harness import profile_cpu_memory
 
 VOCAB, SEQ = 64, 12
 

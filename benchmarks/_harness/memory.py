@@ -17,11 +17,31 @@ order gives the exact number of bytes allocated since the profiler started, at e
 moment; ``held`` is the level at the end of the (``record_function``-marked) forward,
 ``peak`` the maximum. Forward and backward are profiled in ONE session: the profiler
 cannot report the free of a block allocated before it started. (This is the method of
-``examples/quickstart.py``; saved-tensor hooks are no option as a probe, gradient_scope
-itself is built on them.) The profiler slows every op down, so steps are timed in
-separate, unprofiled runs.
+``examples/quickstart.py``, which keeps its own copy so that it runs alone; saved-tensor
+hooks are no option as a probe, gradient_scope itself is built on them.) The profiler
+slows every op down, so steps are timed in separate, unprofiled runs.
 
 ``tests/test_bench_memory.py`` validates the CPU probe on known allocation patterns.
+
+**Why the profiler's private ``prof.profiler.kineto_results``.** The peak needs every
+allocation and free with its own timestamp, and no public route keeps them:
+
+* ``prof.events()`` (public ``FunctionEvent`` objects) folds every ``[memory]`` record
+  that falls inside an op's time range into that op's ``cpu_memory_usage`` (a net sum)
+  and emits a ``[memory]`` event of its own only for records outside every op: one of
+  the 1,255 events of a step of the ``--quick`` benchmark GPT. ``held`` survives (the forward
+  range's ``cpu_memory_usage`` is exactly the probe's held: 18,633,752 bytes both ways on
+  the ``--quick`` GPT, plain), the peak does not: an op that allocates a temporary and
+  frees it nets zero, and an op that frees its input and allocates its output nets its
+  difference. Placing each op's net sum at its start (allocations) or end (frees) gives
+  31,806,472 bytes where the true peak is 22,828,056.
+* ``prof.export_memory_timeline`` is deprecated (its docstring points to the CUDA-only
+  ``torch.cuda.memory._record_memory_history``), needs ``record_shapes`` and
+  ``with_stack``, and is built on the same private ``kineto_results``
+  (``torch.profiler._memory_profiler``).
+
+So the probe reads the raw records (``name``, ``start_ns``, ``nbytes``, ``device_type``)
+in :func:`profile_cpu_memory`, the one place that touches them.
 """
 
 from __future__ import annotations

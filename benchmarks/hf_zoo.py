@@ -350,7 +350,7 @@ def preload(names: list[str]) -> None:
 
     Example::
 
-        >>> from benchmarks.hf_models import preload
+        >>> from benchmarks.hf_zoo import preload
         >>> preload(["gpt2"])
     """
     importlib.import_module("transformers.modeling_layers")
@@ -365,7 +365,7 @@ def build(name: str, size: str, seed: int, **overrides: Any) -> Built:
 
     Example::
 
-        >>> from benchmarks.hf_models import build
+        >>> from benchmarks.hf_zoo import build
         >>> b = build("gpt2", "tiny", seed=0)
         >>> float(b.model(**b.batch).loss) > 0
         True

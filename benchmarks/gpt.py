@@ -14,7 +14,7 @@ Attention comes in two variants (``--attn``):
 * ``sdpa``: ``F.scaled_dot_product_attention(..., is_causal=True, dropout_p=...)``.
 
 Recompute strategies are not baked into the model: the model asks two hooks, which a
-strategy sets (see ``benchmarks/run.py``):
+strategy sets (``benchmarks/_harness/strategies.py``):
 
 * ``model.layer_call(block, x)`` runs one block (default: ``block(x)``); layer-level
   strategies wrap it (``torch.utils.checkpoint``, ``recompute_scope``, ...);
@@ -24,7 +24,7 @@ strategy sets (see ``benchmarks/run.py``):
   default: ``contextlib.nullcontext()``. With ``sdpa`` attention the probabilities are
   never materialised, so only ``mlp_act`` is asked for.
 
-Run ``python -m benchmarks.model`` to time one fwd+bwd step of the default size.
+Run ``python -m benchmarks.gpt`` to time one fwd+bwd step of the default size.
 """
 
 from __future__ import annotations
