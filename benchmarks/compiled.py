@@ -51,13 +51,14 @@ from ._harness import (
     frozen_gc,
     header_lines,
     interleaved_rounds,
-    load_average,
     machine_info,
     make_log,
+    mark_end,
     measure,
     quartiles,
     ratio_summary,
     results_dir,
+    targets_and_strategies,
     targets_markdown,
     time_step,
     write_results,
@@ -310,13 +311,7 @@ def to_markdown(results: dict[str, Any]) -> str:
         "parameters and batch excluded); held / peak: CPU profiler (benchmarks/_harness/memory.py)",
         f"- step time: median of {results['rounds']} interleaved rounds; ratios are medians of per-round ratios",
         "",
-        "## Targets",
-        "",
-        targets_markdown(results["targets"]),
-        "",
-        "## Strategies",
-        "",
-        "\n".join(f"- `{k}`: {v}" for k, v in DESCRIPTIONS.items()),
+        *targets_and_strategies(targets_markdown(results["targets"]), DESCRIPTIONS),
         "",
         "| strategy | saved for bwd (MiB) | vs plain | held after fwd (MiB) | peak fwd+bwd (MiB) "
         "| median step (ms) | time vs plain | time vs checkpoint | max rel grad diff vs plain | compile (s) |",
@@ -392,9 +387,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"compiled strategies on {GPTConfig(**preset['model'].asdict()).describe()}")
     main_res = run_compiled_suite(preset["model"], rounds, a.seed, log)
     chain = None if a.no_chain else run_chain(preset["chain_rounds"])
-    la = load_average()
-    if la is not None:
-        machine["load_average_at_end"] = la
+    mark_end(machine)
     results: dict[str, Any] = {
         "argv": argv,
         "machine": machine,

@@ -46,9 +46,9 @@ from ._harness import (
     frozen_gc,
     interception_gone,
     interleaved_rounds,
-    load_average,
     machine_info,
     make_log,
+    mark_end,
     measure,
     ratio_summary,
     resolve_device,
@@ -414,9 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             sweep = run_depth_sweep(depths, sweep_size, device, dtype, a.seed, log=log)
             print(f"\ndepth sweep\n{sweep_markdown(sweep)}\n", flush=True)
     targets = compute_targets(results_models, sweep)
-    la = load_average()
-    if la is not None:
-        machine["load_average_at_end"] = la
+    mark_end(machine)
     results: dict[str, Any] = {
         "argv": argv,
         "device": device,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness import KiB, MiB, fmt_mib, header_lines, pyplot, save_figure
+from ._harness import KiB, MiB, fmt_mib, header_lines, pyplot, save_figure, targets_and_strategies
 from ._harness import targets_markdown as _targets_table
 
 __all__ = ["SWEEP_TOLERANCE", "compute_targets", "targets_markdown", "model_markdown", "sweep_markdown", "to_markdown",
@@ -228,13 +228,7 @@ def to_markdown(results: dict[str, Any], charts: list[str]) -> str:
         f"- agreement: gradients after step 1 (identical weights, batch and RNG seed), losses of "
         f"{results['train_steps']} AdamW steps, all buffers (BatchNorm running stats, num_batches_tracked) after them",
         "",
-        "## Targets",
-        "",
-        targets_markdown(results["targets"]),
-        "",
-        "## Strategies",
-        "",
-        "\n".join(f"- `{k}`: {v}" for k, v in results["strategies"].items()),
+        *targets_and_strategies(targets_markdown(results["targets"]), results["strategies"]),
         "",
     ]
     for name, res in results["models"].items():

@@ -25,9 +25,9 @@ from ._harness import (
     frozen_gc,
     grad_diff,
     interleaved_rounds,
-    load_average,
     machine_info,
     make_log,
+    mark_end,
     measure,
     ratio_summary,
     resolve_device,
@@ -334,9 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"\nscaling: {sc['axis']}\n{scaling_markdown(sc)}")
 
     targets = compute_targets(main_res, overhead, dev_name)
-    la = load_average()
-    if la is not None:
-        machine["load_average_at_end"] = la
+    mark_end(machine)
     results = {
         "argv": argv,
         "quick": a.quick,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness import AA, KiB, MiB, header_lines, pyplot, save_figure, targets_markdown
+from ._harness import AA, KiB, MiB, header_lines, pyplot, save_figure, targets_and_strategies, targets_markdown
 from ._harness import fmt_mib as _mib
 from ._harness import fmt_x as _x
 from .gpt import GPTConfig
@@ -164,13 +164,7 @@ def to_markdown(results: dict[str, Any], charts: list[str]) -> str:
         f"- step time: fwd+bwd, median of {results['rounds']} interleaved rounds (order rotated each round); "
         "ratios are medians of per-round ratios",
         "",
-        "## Targets",
-        "",
-        targets_markdown(results["targets"]),
-        "",
-        "## Strategies",
-        "",
-        "\n".join(f"- `{k}`: {v}" for k, v in results["strategies"].items()),
+        *targets_and_strategies(targets_markdown(results["targets"]), results["strategies"]),
         "",
         strategies_markdown(main),
         "",

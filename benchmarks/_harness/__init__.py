@@ -11,7 +11,7 @@
   + ``results.md`` + charts on disk, the command-line plumbing.
 """
 
-from .machine import load_average, machine_info
+from .machine import load_average, machine_info, mark_end
 from .memory import cuda_memory, measure, profile_cpu_memory, quiet_stderr
 from .report import (
     KiB,
@@ -24,6 +24,7 @@ from .report import (
     resolve_device,
     results_dir,
     save_figure,
+    targets_and_strategies,
     targets_markdown,
     write_results,
 )
@@ -61,12 +62,14 @@ __all__ = [
     "grad_diff",
     "load_average",
     "machine_info",
+    "mark_end",
     "MiB",
     "KiB",
     "fmt_mib",
     "fmt_x",
     "header_lines",
     "targets_markdown",
+    "targets_and_strategies",
     "write_results",
     "pyplot",
     "save_figure",

@@ -14,7 +14,7 @@ import torch
 
 import gradient_scope
 
-__all__ = ["load_average", "machine_info"]
+__all__ = ["load_average", "machine_info", "mark_end"]
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,3 +88,10 @@ def machine_info(device: str, packages: Iterable[str] = ()) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     return info
+
+
+def mark_end(info: dict[str, Any]) -> None:
+    """Record the load average at the end of the run in ``info`` (where the OS reports it)."""
+    la = load_average()
+    if la is not None:
+        info["load_average_at_end"] = la

@@ -19,6 +19,7 @@ __all__ = [
     "fmt_x",
     "header_lines",
     "targets_markdown",
+    "targets_and_strategies",
     "write_results",
     "pyplot",
     "save_figure",
@@ -75,6 +76,19 @@ def targets_markdown(T: list[dict[str, Any]], columns: Sequence[str] = ("target"
         met = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
         lines.append("| " + " | ".join(str(t[c]) for c in columns) + f" | {met} | {t['note']} |")
     return "\n".join(lines)
+
+
+def targets_and_strategies(targets_table: str, descriptions: dict[str, str]) -> list[str]:
+    """The ``## Targets`` section (``targets_table``) and the ``## Strategies`` list of ``results.md``."""
+    return [
+        "## Targets",
+        "",
+        targets_table,
+        "",
+        "## Strategies",
+        "",
+        "\n".join(f"- `{k}`: {v}" for k, v in descriptions.items()),
+    ]
 
 
 def write_results(out_dir: str, results: dict[str, Any], markdown: str) -> None:
