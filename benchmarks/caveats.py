@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
-from benchmarks._harness import MiB, profile_cpu_memory
+from benchmarks._harness.memory import profile_cpu_memory
+from benchmarks._harness.report import MiB
 from gradient_scope import apply_recompute, recompute_scope
 
 import quickstart as qs

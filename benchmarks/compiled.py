@@ -44,25 +44,19 @@ import torch
 
 from gradient_scope import recompute_scope
 
-from ._harness import (
-    AA,
+from ._harness.machine import machine_info, mark_end
+from ._harness.memory import measure
+from ._harness.report import (
     MiB,
-    apply_gpt_strategy,
-    frozen_gc,
+    finish,
     header_lines,
-    interleaved_rounds,
-    machine_info,
     make_log,
-    mark_end,
-    measure,
-    quartiles,
-    ratio_summary,
     results_dir,
     targets_and_strategies,
     targets_markdown,
-    time_step,
-    write_results,
 )
+from ._harness.strategies import AA, apply_gpt_strategy, profile_against_plain
+from ._harness.timing import frozen_gc, interleaved_rounds, quartiles, ratio_summary, time_step
 from .gpt import GPT, GPTConfig, make_batch
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act"]
@@ -167,6 +161,15 @@ class CompiledBench:
         return out
 
 
+def _grad_diffs(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, float]:
+    return {
+        "grad_max_abs_diff": max((g - p).abs().max().item() for g, p in zip(grads, ref)),
+        "grad_max_rel_diff": max(
+            ((g - p).abs().max() / p.abs().max().clamp_min(1e-30)).item() for g, p in zip(grads, ref)
+        ),
+    }
+
+
 def run_compiled_suite(cfg: GPTConfig, rounds: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     t0 = time.perf_counter()
     bench = CompiledBench(cfg, seed)
@@ -177,20 +180,9 @@ def run_compiled_suite(cfg: GPTConfig, rounds: int, seed: int, log: Callable[[st
         compile_s[name] = time.perf_counter() - t
         bench.step(name)
         log(f"  {name}: compiled in {compile_s[name]:.1f} s")
-    res: dict[str, dict[str, Any]] = {}
-    plain_grads = None
-    for name in STRATEGIES:
-        r = bench.profiled_step(name)
-        grads = r.pop("grads")
-        if name == "plain":
-            plain_grads = grads
-        assert plain_grads is not None
-        r["grad_max_abs_diff"] = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
-        r["grad_max_rel_diff"] = max(
-            ((g - p).abs().max() / p.abs().max().clamp_min(1e-30)).item() for g, p in zip(grads, plain_grads)
-        )
+    res = profile_against_plain(STRATEGIES, bench.profiled_step, _grad_diffs)
+    for name, r in res.items():
         r["compile_s"] = compile_s[name]
-        res[name] = r
     timed = [*STRATEGIES, AA]
     with frozen_gc():
         times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
@@ -398,8 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "duration_s": time.perf_counter() - t0,
     }
     results["targets"] = compute_targets(main_res)
-    md = to_markdown(results)
-    write_results(out_dir, results, md)
+    md = finish(results, out_dir, t0, lambda r, charts: to_markdown(r))
     print("\n" + md)
     log(f"written to {out_dir}")
     return results

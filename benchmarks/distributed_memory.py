@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from gradient_scope import apply_recompute, recompute_scope
 
-from ._harness import profile_cpu_memory
+from ._harness.memory import profile_cpu_memory
 
 WORLD = 2
 

@@ -41,21 +41,17 @@ import torch.nn as nn
 
 import gradient_scope
 
-from ._harness import (
-    compare_tensors,
+from ._harness.machine import machine_info, mark_end
+from ._harness.memory import measure
+from ._harness.report import finish, make_log, no_charts, resolve_device, results_dir
+from ._harness.strategies import compare_tensors
+from ._harness.timing import (
     frozen_gc,
     interception_gone,
     interleaved_rounds,
-    machine_info,
-    make_log,
-    mark_end,
-    measure,
     ratio_summary,
-    resolve_device,
-    results_dir,
     time_step,
     warn_if_interception_left,
-    write_results,
 )
 from .models_report import compute_targets, make_charts, model_markdown, sweep_markdown, targets_markdown, to_markdown
 
@@ -429,10 +425,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "sweep": sweep,
         "targets": targets,
     }
-    charts = [] if a.no_charts else make_charts(results, out_dir)
-    results["charts"] = charts
-    results["duration_s"] = time.perf_counter() - t_start
-    write_results(out_dir, results, to_markdown(results, charts))
+    finish(results, out_dir, t_start, to_markdown, no_charts if a.no_charts else make_charts)
+    charts = results["charts"]
     print("targets\n" + targets_markdown(targets))
     log(f"wrote {out_dir}/results.json, results.md and {len(charts)} charts")
     return results

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._harness import load_average
+from ._harness.machine import load_average
 from .models import Runner, _loss, prepare
 
 __all__ = ["profile_step"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness import KiB, MiB, fmt_mib, header_lines, pyplot, save_figure, targets_and_strategies
-from ._harness import targets_markdown as _targets_table
+from ._harness.report import KiB, MiB, fmt_mib, header_lines, pyplot, save_figure, targets_and_strategies
+from ._harness.report import targets_markdown as _targets_table
 
 __all__ = ["SWEEP_TOLERANCE", "compute_targets", "targets_markdown", "model_markdown", "sweep_markdown", "to_markdown",
            "make_charts"]

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ._harness import compare_tensors, frozen_gc
+from ._harness.strategies import compare_tensors
+from ._harness.timing import frozen_gc
 from .models import SWEEP_STRATEGIES, Runner, _layer_input_bytes, prepare
 
 __all__ = ["run_depth_sweep"]

@@ -49,7 +49,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
-from ._harness import frozen_gc, interleaved_rounds, sac_context
+from ._harness.strategies import sac_context
+from ._harness.timing import frozen_gc, interleaved_rounds
 
 __all__ = ["run_overhead", "format_overhead", "NopMode"]
 

@@ -19,23 +19,11 @@ import torch
 from gradient_scope import recompute_scope
 from gradient_scope.policies import as_save_policy, save_matmuls
 
-from ._harness import (
-    AA,
-    apply_gpt_strategy,
-    frozen_gc,
-    grad_diff,
-    interleaved_rounds,
-    machine_info,
-    make_log,
-    mark_end,
-    measure,
-    ratio_summary,
-    resolve_device,
-    results_dir,
-    time_step,
-    warn_if_interception_left,
-    write_results,
-)
+from ._harness.machine import machine_info, mark_end
+from ._harness.memory import measure
+from ._harness.report import finish, make_log, no_charts, resolve_device, results_dir
+from ._harness.strategies import AA, apply_gpt_strategy, profile_against_plain
+from ._harness.timing import frozen_gc, interleaved_rounds, ratio_summary, time_step, warn_if_interception_left
 from .gpt import GPT, GPTConfig, make_batch
 from .ideal import BlockAccounting
 from .overhead import format_overhead, run_overhead
@@ -191,28 +179,13 @@ def run_suite(
     for name in timed:  # warm-up (allocator, lazy init, lazy imports, op caches)
         bench.timed_step(name)
     with frozen_gc():  # keeps the gc.collect() before each measured step cheap
-        res = _memory_and_grads(bench, strategies)
+        res = profile_against_plain(strategies, bench.profiled_step)
         times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
         for name, summary in ratio_summary(times).items():
             res.setdefault(name, {}).update(summary)
         if ideal and "plain" in res:
             _add_ideal(bench, strategies, res)
     return {"config": bench.cfg.asdict(), "strategies": res, "warnings": bench.warnings}
-
-
-def _memory_and_grads(bench: Bench, strategies: list[str]) -> dict[str, dict[str, Any]]:
-    res: dict[str, dict[str, Any]] = {}
-    plain_grads = None
-    for name in strategies:
-        r = bench.profiled_step(name)
-        grads = r.pop("grads")
-        if name == "plain":
-            plain_grads = grads
-        if plain_grads is not None:
-            r.update(grad_diff(grads, plain_grads))
-        res[name] = r
-        del grads
-    return res
 
 
 def _add_ideal(bench: Bench, strategies: list[str], res: dict[str, dict[str, Any]]) -> None:
@@ -351,10 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "targets": targets,
         "duration_s": time.perf_counter() - t_start,
     }
-    charts = [] if a.no_charts else make_charts(results, out_dir)
-    results["charts"] = charts
-    results["duration_s"] = time.perf_counter() - t_start
-    write_results(out_dir, results, to_markdown(results, charts))
+    finish(results, out_dir, t_start, to_markdown, no_charts if a.no_charts else make_charts)
+    charts = results["charts"]
     print(f"\ntargets\n{targets_markdown(targets)}")
     for w in main_res["warnings"]:
         print(f"WARNING: {w}")

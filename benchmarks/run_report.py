@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness import AA, KiB, MiB, header_lines, pyplot, save_figure, targets_and_strategies, targets_markdown
-from ._harness import fmt_mib as _mib
-from ._harness import fmt_x as _x
+from ._harness.report import KiB, MiB, header_lines, pyplot, save_figure, targets_and_strategies, targets_markdown
+from ._harness.report import fmt_mib as _mib
+from ._harness.report import fmt_x as _x
+from ._harness.strategies import AA
 from .gpt import GPTConfig
 from .overhead import format_overhead
 

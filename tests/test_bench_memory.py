@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import measure, profile_cpu_memory
+from benchmarks._harness.memory import measure, profile_cpu_memory
 
 MiB = 2**20
 

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytest.importorskip("transformers")
 
 from benchmarks import models as bm
-from benchmarks._harness import compare_tensors
+from benchmarks._harness.strategies import compare_tensors
 
 
 @pytest.fixture(scope="module")

@@ -479,7 +479,7 @@ def test_backward_peak_not_above_checkpoint_at_depth(layers):
     from gradient_scope import apply_recompute
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from benchmarks._harness import measure
+    from benchmarks._harness.memory import measure
 
     x = torch.randn(64, 256, requires_grad=True)  # a block input is 64 KiB
 

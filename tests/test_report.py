@@ -30,7 +30,7 @@ from gradient_scope import SavedTensorsReport, SavedTensorsRow, _pack, recompute
 from conftest import RecordingHooks, assert_interception_gone, top_hooks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import profile_cpu_memory
+from benchmarks._harness.memory import profile_cpu_memory
 
 # torch >= 2.15 runs autograd.Function.apply in C++: a custom function's saves are
 # then named after the Python function that called apply.

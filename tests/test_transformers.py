@@ -24,7 +24,7 @@ import gradient_scope
 from gradient_scope import apply_recompute, remove_recompute, saved_tensors_report
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import profile_cpu_memory
+from benchmarks._harness.memory import profile_cpu_memory
 
 VOCAB, SEQ = 64, 12
 

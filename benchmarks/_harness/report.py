@@ -21,6 +21,8 @@ __all__ = [
     "targets_markdown",
     "targets_and_strategies",
     "write_results",
+    "finish",
+    "no_charts",
     "pyplot",
     "save_figure",
     "results_dir",
@@ -97,6 +99,29 @@ def write_results(out_dir: str, results: dict[str, Any], markdown: str) -> None:
         json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown)
+
+
+def finish(
+    results: dict[str, Any],
+    out_dir: str,
+    t_start: float,
+    to_markdown: Callable[[dict[str, Any], list[str]], str],
+    make_charts: Callable[[dict[str, Any], str], list[str]] | None = None,
+) -> str:
+    """End a run: the charts (``results["charts"]``, where ``make_charts`` is given), the
+    duration since ``t_start``, then ``results.json`` and ``results.md``; returns the Markdown."""
+    charts: list[str] = []
+    if make_charts is not None:
+        results["charts"] = charts = make_charts(results, out_dir)
+    results["duration_s"] = time.perf_counter() - t_start
+    md = to_markdown(results, charts)
+    write_results(out_dir, results, md)
+    return md
+
+
+def no_charts(results: dict[str, Any], out_dir: str) -> list[str]:
+    """The ``make_charts`` of ``--no-charts``: none."""
+    return []
 
 
 def pyplot() -> Any:

@@ -5,7 +5,7 @@ strategy's tensors with plain's."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "apply_gpt_strategy",
     "compare_tensors",
     "grad_diff",
+    "profile_against_plain",
 ]
 
 AA = "plain_again"  # A/A control: plain timed a second time per round
@@ -142,3 +143,24 @@ def grad_diff(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, A
         "grad_max_abs_diff": max((g.float() - p.float()).abs().max().item() for g, p in zip(grads, ref)),
         "grads_bitwise_equal": all(torch.equal(g, p) for g, p in zip(grads, ref)),
     }
+
+
+def profile_against_plain(
+    names: Iterable[str],
+    profiled_step: Callable[[str], dict[str, Any]],
+    compare: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, Any]] = grad_diff,
+) -> dict[str, dict[str, Any]]:
+    """``profiled_step(name)`` for each name, in order; the ``"grads"`` it returns are
+    replaced by ``compare(grads, plain's grads)`` once ``plain`` has run."""
+    res: dict[str, dict[str, Any]] = {}
+    ref = None
+    for name in names:
+        r = profiled_step(name)
+        grads = r.pop("grads")
+        if name == "plain":
+            ref = grads
+        if ref is not None:
+            r.update(compare(grads, ref))
+        res[name] = r
+        del grads
+    return res
