@@ -20,6 +20,7 @@ whose running statistics must be updated once per step, not again in recomputati
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,7 +91,8 @@ def _make_gpt2(gen: torch.Generator, *, layers: int, hidden: int, heads: int, se
     return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
-def _make_llama(
+def _make_decoder(
+    family: str,
     gen: torch.Generator,
     *,
     layers: int,
@@ -101,16 +103,20 @@ def _make_llama(
     seq: int,
     batch: int,
     vocab: int,
+    experts: int | None = None,
 ):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A Llama-style causal LM (``family`` ``"Llama"`` or ``"Mixtral"``: ``experts`` experts, top-2)."""
+    import transformers
 
-    cfg = LlamaConfig(
+    moe = {} if experts is None else {"num_local_experts": experts, "num_experts_per_tok": 2}
+    cfg = getattr(transformers, f"{family}Config")(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=ffn,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        **moe,
         max_position_embeddings=seq,
         attention_dropout=0.1,
         use_cache=False,
@@ -119,42 +125,7 @@ def _make_llama(
         pad_token_id=0,
     )
     ids = _tokens(gen, vocab, batch, seq)
-    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
-
-
-def _make_mixtral(
-    gen: torch.Generator,
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv_heads: int,
-    ffn: int,
-    experts: int,
-    seq: int,
-    batch: int,
-    vocab: int,
-):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        num_local_experts=experts,
-        num_experts_per_tok=2,
-        max_position_embeddings=seq,
-        attention_dropout=0.1,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    ids = _tokens(gen, vocab, batch, seq)
-    return MixtralForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+    return getattr(transformers, f"{family}ForCausalLM")(cfg), {"input_ids": ids, "labels": ids}
 
 
 def _make_bert(
@@ -265,7 +236,7 @@ MODELS: dict[str, ModelSpec] = {
             block="LlamaDecoderLayer",
             parts=("LlamaAttention", "LlamaMLP"),
             parts_desc="LlamaAttention, LlamaMLP",
-            make=_make_llama,
+            make=functools.partial(_make_decoder, "Llama"),
             sizes={
                 "full": dict(layers=4, hidden=256, heads=4, kv_heads=2, ffn=688, **_LM),
                 "quick": dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=344, **_LM_QUICK),
@@ -331,7 +302,7 @@ MODELS: dict[str, ModelSpec] = {
             block="MixtralDecoderLayer",
             parts=("MixtralAttention", "MixtralSparseMoeBlock"),
             parts_desc="MixtralAttention, MixtralSparseMoeBlock",
-            make=_make_mixtral,
+            make=functools.partial(_make_decoder, "Mixtral"),
             sizes={
                 "full": dict(layers=4, hidden=192, heads=4, kv_heads=2, ffn=384, experts=4, **_LM),
                 "quick": dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, experts=4, **_LM_QUICK),
