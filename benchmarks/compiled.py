@@ -122,14 +122,16 @@ class CompiledBench:
                 self.compiled["plain"] if name == AA else torch.compile(m, backend="inductor", fullgraph=True)
             )
 
-    def step(self, name: str) -> torch.Tensor:
+    def _prepare(self, name: str) -> None:
         self.models[name].zero_grad(set_to_none=True)
         torch.manual_seed(self.seed)  # same dropout masks for every strategy
+
+    def step(self, name: str) -> torch.Tensor:
+        self._prepare(name)
         return self._fwd_bwd(name)
 
     def timed_step(self, name: str) -> float:
-        self.models[name].zero_grad(set_to_none=True)
-        torch.manual_seed(self.seed)
+        self._prepare(name)
         return time_step(lambda: self._fwd_bwd(name))
 
     def _fwd_bwd(self, name: str) -> torch.Tensor:
