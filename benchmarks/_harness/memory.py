@@ -41,7 +41,9 @@ allocation and free with its own timestamp, and no public route keeps them:
   (``torch.profiler._memory_profiler``).
 
 So the probe reads the raw records (``name``, ``start_ns``, ``nbytes``, ``device_type``)
-in :func:`profile_cpu_memory`, the one place that touches them.
+in :func:`profile_cpu_memory`, the one place that touches them;
+``tests/test_bench_memory.py::test_public_profiler_events_lose_the_peak`` fails the day
+``prof.events()`` keeps what the peak needs.
 """
 
 from __future__ import annotations
