@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness.report import KiB, MiB, fmt_mib, header_lines, pyplot, save_figure, targets_and_strategies
+from ._harness.report import (
+    KiB,
+    MiB,
+    charts_and_warnings,
+    fmt_mib,
+    header_lines,
+    pyplot,
+    save_figure,
+    targets_and_strategies,
+)
 from ._harness.report import targets_markdown as _targets_table
 
 __all__ = ["SWEEP_TOLERANCE", "compute_targets", "targets_markdown", "model_markdown", "sweep_markdown", "to_markdown",
@@ -258,12 +267,8 @@ def to_markdown(results: dict[str, Any], charts: list[str]) -> str:
     if sw:
         cfg = ", ".join(f"{k}={v}" for k, v in sw.get("config", {}).items() if k not in ("model", "parameters"))
         out += [f"## Depth sweep ({sw['model']}: {cfg})", "", sweep_markdown(sw), ""]
-    if charts:
-        out += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
     warnings = [f"{n}: {w}" for n, r in results["models"].items() for w in r.get("warnings", [])]
-    if warnings:
-        out += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
-    return "\n".join(out)
+    return "\n".join(out + charts_and_warnings(charts, warnings))
 
 
 def make_charts(results: dict[str, Any], out_dir: str) -> list[str]:

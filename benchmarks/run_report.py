@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._harness.report import KiB, MiB, header_lines, pyplot, save_figure, targets_and_strategies, targets_markdown
+from ._harness.report import (
+    KiB,
+    MiB,
+    charts_and_warnings,
+    header_lines,
+    pyplot,
+    save_figure,
+    targets_and_strategies,
+    targets_markdown,
+)
 from ._harness.report import fmt_mib as _mib
 from ._harness.report import fmt_x as _x
 from ._harness.strategies import AA
@@ -210,13 +219,8 @@ def to_markdown(results: dict[str, Any], charts: list[str]) -> str:
         sc = results.get("scaling", {}).get(key)
         if sc:
             out += [f"## {title}", "", scaling_markdown(sc), ""]
-    if charts:
-        out += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
     scaling_warnings = [w for sc in results.get("scaling", {}).values() for w in sc.get("warnings", [])]
-    warnings = main.get("warnings", []) + scaling_warnings
-    if warnings:
-        out += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
-    return "\n".join(out)
+    return "\n".join(out + charts_and_warnings(charts, main.get("warnings", []) + scaling_warnings))
 
 
 # ---------------------------------------------------------------------- charts

@@ -20,6 +20,7 @@ __all__ = [
     "header_lines",
     "targets_markdown",
     "targets_and_strategies",
+    "charts_and_warnings",
     "write_results",
     "finish",
     "no_charts",
@@ -91,6 +92,17 @@ def targets_and_strategies(targets_table: str, descriptions: dict[str, str]) -> 
         "",
         "\n".join(f"- `{k}`: {v}" for k, v in descriptions.items()),
     ]
+
+
+def charts_and_warnings(charts: list[str], warnings: list[str]) -> list[str]:
+    """The ``## Charts`` (images) and ``## Warnings`` sections of ``results.md``, each only
+    where it has entries."""
+    out: list[str] = []
+    if charts:
+        out += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
+    if warnings:
+        out += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    return out
 
 
 def write_results(out_dir: str, results: dict[str, Any], markdown: str) -> None:
