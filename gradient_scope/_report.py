@@ -9,15 +9,12 @@ Three observers, all removed when the ``with`` block ends (also when it raises):
   in-place check on unpack (saved-tensor hooks switch PyTorch's own check off);
 * a pack listener of the scopes' hook (:func:`._pack.add_pack_listener`):
   while a scope's pair is innermost, block tensors become handles without
-  reaching our pair, and the listener reports them;
-* global module forward pre/post hooks keeping the stack of running modules,
-  and a :class:`~torch.overrides.TorchFunctionMode` noting the torch function
-  being executed: together they say where each save happened.
+  reaching our pair, and the listener reports them (and the blocks they come
+  from: what those keep alive is ``held_by_scopes_bytes``);
+* the module stack and op tracker of ``_report_where``: where each save happened.
 
-Each storage is counted once: an entry per storage (keyed by its StorageImpl,
-with a weak reference so that a new storage at a recycled address is a new
-entry), charged to the first (module, op) that stored it, else to the first
-that saved it as a recompute handle.
+The pieces: ``_report_where`` (where), ``_report_tally`` (counting, grouping),
+``_report_format`` (tables), this module (the context manager and its results).
 """
 
 from __future__ import annotations
@@ -26,277 +23,170 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode
 
+from ._record import Input
 from ._pack import Foreign, Stored, add_pack_listener, unpack
+from ._report_format import Totals, diff_table, fmt_bytes, table
+from ._report_tally import SavedTensorsRow, Tally, held_outside
+from ._report_where import Location, ModuleStack, OpTracker, op_name, python_caller, user_line
 from ._torch_compat import (
     innermost_function_mode,
     remove_function_mode_from_under,
-    storage_id,
+    sequence_nr,
     top_saved_hooks,
     without_torch_function,
 )
 
 __all__ = ["SavedTensorsReport", "SavedTensorsRow", "saved_tensors_report"]
 
-_NO_MODULE = "(no module)"
-_UNKNOWN_OP = "(unknown)"
 
+class _Observer:
+    """The hooks of one report while its block runs, and what they counted."""
 
-@dataclass(frozen=True)
-class SavedTensorsRow:
-    """One line of a :class:`SavedTensorsReport`: the saves of one (module, op).
+    def __init__(self, model: nn.Module | None) -> None:
+        self.tally = Tally()
+        self.model = model
+        self.open = False
+        self.thread = 0
+        self.seq0 = 0  # autograd nodes numbered from here were made in the block
+        self.modules = ModuleStack(0)
+        self.tracker: OpTracker | None = None
+        self.hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.below: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        self.handled = 0  # id() of the tensor a scope just turned into a handle
+        self.cleanup: list[Callable[[], None]] = []
+        self.states: dict[int, weakref.ref[Any]] = {}  # replay states of the blocks seen
 
-    Example::
+    # -- where and what
 
-        >>> import torch
-        >>> from gradient_scope import saved_tensors_report
-        >>> fc = torch.nn.Linear(4, 4)
-        >>> x = torch.randn(2, 4, requires_grad=True)
-        >>> with saved_tensors_report() as report:
-        ...     y = fc(x).relu()
-        >>> [(row.module, row.op, row.count, row.stored_bytes) for row in report.rows]
-        [('(Linear)', 'linear', 2, 96), ('(no module)', 'relu', 1, 32)]
-    """
+    def _record(self, t: torch.Tensor, recomputable: bool) -> None:
+        module, cls = self.modules.current()
+        tracker = self.tracker
+        func = tracker.current if tracker is not None else None
+        op = op_name(func) if func is not None else python_caller()
+        self.tally.add((module, op, cls), t, recomputable, self._made_in_block, self._made_at)
 
-    #: path of the module whose forward was running, relative to the outermost
-    #: running module (``"transformer.h.0.attn"``); the outermost module itself
-    #: is its class name in parentheses (``"(GPT2LMHeadModel)"``), a save
-    #: outside any module forward is ``"(no module)"``
-    module: str
-    #: the torch function that was executing (see :func:`saved_tensors_report`)
-    op: str
-    #: tensors saved (each save counts, also repeated saves of one tensor)
-    count: int
-    #: bytes of the distinct storages autograd keeps, charged to this row
-    stored_bytes: int
-    #: bytes of the distinct storages that scopes replaced by recompute handles
-    recomputable_bytes: int
+    def _made_in_block(self, t: torch.Tensor, key: int) -> bool:
+        tracker = self.tracker
+        if tracker is not None:
+            if key in tracker.made:
+                return True
+            if tracker.current is not None:
+                return tracker.made_by_running_op(t, key)
+        # No torch function running (a custom autograd.Function, a compiled program):
+        # a tensor with history tells by its node; a leaf that requires grad is a
+        # parameter; what else such code saves it made itself.
+        g = t.grad_fn
+        if g is not None:
+            return bool(g._sequence_nr() >= self.seq0)
+        return not t.requires_grad
 
+    def _made_at(self, t: torch.Tensor, key: int) -> Location | None:
+        tracker = self.tracker
+        if tracker is not None and key in tracker.made:
+            return tracker.made[key]
+        return user_line(sys._getframe(1))  # made by the op saving it
 
-class _Storage:
-    __slots__ = ("nbytes", "recomputable_row", "ref", "stored_row")
+    # -- hooks
 
-    def __init__(self, ref: Any, nbytes: int) -> None:
-        self.ref = ref  # StorageWeakRef, or a weakref to the tensor (no storage)
-        self.nbytes = nbytes
-        self.stored_row: tuple[str, str] | None = None
-        self.recomputable_row: tuple[str, str] | None = None
+    def pack(self, t: torch.Tensor) -> Any:
+        below = self.below
+        if below is None:
+            # No pair of ours below: no block tensor of this thread is alive (I1).
+            packed: Any = Stored(t, made_by_block=False)
+            recomputable = False
+        else:
+            self.handled = 0
+            packed = Foreign(below[1], below[0](t))
+            recomputable = self.handled == id(t)  # the listener has recorded it
+            self.handled = 0
+        if not recomputable and self.open and threading.get_ident() == self.thread:
+            with without_torch_function():
+                self._record(t, False)
+        return packed
 
+    def on_scope_pack(self, t: torch.Tensor, handle: Any) -> None:
+        # A scope pair above ours turned ``t`` into a handle (stored and passed-on
+        # tensors reach our own pack through the scope's pair).
+        if self.open and threading.get_ident() == self.thread:
+            with without_torch_function():
+                self._record(t, True)
+            self.handled = id(t)
+            state = getattr(handle, "state", None)
+            if state is not None and id(state) not in self.states:
+                self.states[id(state)] = weakref.ref(state)
 
-def _storage_of(t: torch.Tensor) -> tuple[int, Any, int]:
-    """(key, weak reference, bytes) of the memory ``t`` keeps alive."""
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):
-        storage = None
-    if storage is None:
-        # No storage (sparse, some subclasses): the tensor's logical size, per tensor object.
-        return -id(t), weakref.ref(t), t.numel() * t.element_size()
-    return storage_id(t), StorageWeakRef(storage), storage.nbytes()
+    def held(self) -> int:
+        """Bytes the blocks seen keep alive for replay that autograd does not store."""
+        records = []
+        for ref in self.states.values():
+            state = ref()
+            record = getattr(state, "record", None)
+            if record is not None:
+                records.append(record)
+        return held_outside(records, Input, self.tally.stored_keys())
 
+    # -- entering and leaving
 
-def _expired(ref: Any) -> bool:
-    return ref.expired() if isinstance(ref, StorageWeakRef) else ref() is None
-
-
-def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", None)
-    if not isinstance(name, str):
-        return _UNKNOWN_OP
-    if name == "__get__":  # a Tensor property
-        owner = getattr(func, "__self__", None)
-        return getattr(owner, "__name__", name)
-    if name.startswith("__r") and name.endswith("__") and len(name) > 5:
-        return name[3:-2]  # __rmul__ -> mul
-    if name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__invert__"):
-        return name[3:-2] + "_"  # __iadd__ -> add_
-    return name.strip("_") if name.startswith("__") else name
-
-
-class _OpTracker(TorchFunctionMode):
-    """Notes the torch function being executed. PyTorch runs a mode's handler
-    with the mode switched off, so functions called *inside* a torch function
-    (``F.multi_head_attention_forward``'s matmuls, ...) are not seen: the op of
-    a save is the outermost torch function running."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current: Any = None
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        outer = self.current
-        self.current = func
+    def enter(self) -> None:
+        self.thread = threading.get_ident()
+        self.seq0 = sequence_nr()
+        self.modules = ModuleStack(self.thread, self.model)
+        below = top_saved_hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        hooks.__enter__()  # raises (nothing changed) where saved-tensor hooks are disabled
+        self.below = below
+        self.hooks = hooks
         try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.current = outer
+            tracker = OpTracker()
+            tracker.__enter__()
+            self.tracker = tracker
+            self.cleanup.append(self._exit_tracker)
+            self.cleanup.append(register_module_forward_pre_hook(self.modules.pre_hook).remove)
+            self.cleanup.append(register_module_forward_hook(self.modules.post_hook, always_call=True).remove)
+            self.cleanup.append(add_pack_listener(self.on_scope_pack))
+        except BaseException:
+            self.close()
+            raise
+        self.open = True
 
-
-_COMPREHENSIONS = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"})
-
-
-def _python_caller() -> str:
-    """Names the Python code that made autograd save with no torch function running:
-    ``Name.apply`` for a custom ``autograd.Function`` (its saves happen in C++
-    after its forward) where ``Function.apply`` is Python code, else the innermost
-    Python function outside this package (``_CheckpointFrame.save_inputs`` for the
-    inputs checkpoint keeps; the caller of ``apply`` on torch >= 2.15)."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not (module == "gradient_scope" or module.startswith("gradient_scope.")):
-            code = frame.f_code
-            if code.co_name not in _COMPREHENSIONS:
-                if code.co_name == "apply":
-                    cls = frame.f_locals.get("cls")
-                    if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
-                        return f"{cls.__name__}.apply"
-                return getattr(code, "co_qualname", code.co_name)
-        frame = frame.f_back
-    return _UNKNOWN_OP
-
-
-def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value, unit = n / 1024, "KiB"
-    for bigger in ("MiB", "GiB"):
-        if round(value, 2) < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{value:.2f} {unit}"
-
-
-def _format_table(stored: int, recomputable: int, rows: list[SavedTensorsRow], top: int | None) -> str:
-    """The text table of a report's rows and totals; ``top`` limits it to the largest rows."""
-    shown = rows if top is None else rows[:top]
-    header = ("module", "op", "count", "stored", "recomputable")
-    lines = [
-        (r.module, r.op, str(r.count), _fmt_bytes(r.stored_bytes), _fmt_bytes(r.recomputable_bytes)) for r in shown
-    ]
-    if len(shown) < len(rows):
-        rest = rows[len(shown) :]
-        lines.append(
-            (
-                f"... {len(rest)} more rows",
-                "",
-                str(sum(r.count for r in rest)),
-                _fmt_bytes(sum(r.stored_bytes for r in rest)),
-                _fmt_bytes(sum(r.recomputable_bytes for r in rest)),
-            )
-        )
-    total = ("total", "", str(sum(r.count for r in rows)), _fmt_bytes(stored), _fmt_bytes(recomputable))
-    widths = [max(len(x[i]) for x in (header, total, *lines)) for i in range(5)]
-
-    def fmt(cols: tuple[str, ...]) -> str:
-        left = [c.ljust(w) for c, w in zip(cols[:2], widths[:2], strict=True)]
-        right = [c.rjust(w) for c, w in zip(cols[2:], widths[2:], strict=True)]
-        return "  ".join(left + right).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(header), rule, *map(fmt, lines), rule, fmt(total)])
-
-
-class _ModuleStack:
-    """The modules whose forward is running in one thread, with their paths
-    (relative to the outermost one), kept by global forward pre/post hooks."""
-
-    __slots__ = ("thread", "stack", "names", "root_label", "names_fresh")
-
-    def __init__(self, thread: int) -> None:
-        self.thread = thread
-        self.stack: list[tuple[nn.Module, str]] = []
-        self.names: dict[int, tuple[weakref.ref[nn.Module], str]] = {}
-        self.root_label = ""
-        self.names_fresh = False
-
-    def current(self) -> str:
-        return self.stack[-1][1] if self.stack else _NO_MODULE
-
-    def _label(self, module: nn.Module) -> str:
-        if not self.stack:
-            self.root_label = f"({type(module).__name__})"
-            self.names = {}  # computed on the first submodule call of this root call
-            self.names_fresh = False
-            return self.root_label
-        found = self.names.get(id(module))
-        if (found is None or found[0]() is not module) and not self.names_fresh:
-            # Submodules may have changed since the last look: once per root call.
-            root = self.stack[0][0]
-            self.names = {id(m): (weakref.ref(m), name) for name, m in root.named_modules()}
-            self.names_fresh = True
-            found = self.names.get(id(module))
-        if found is not None and found[0]() is module:
-            return found[1] or self.root_label
-        # Not a submodule of the outermost running module.
-        return f"{self.stack[-1][1]}.({type(module).__name__})"
-
-    def pre_hook(self, module: nn.Module, args: Any) -> None:
-        if threading.get_ident() == self.thread:
-            self.stack.append((module, self._label(module)))
-
-    def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self.thread:
+    def _exit_tracker(self) -> None:
+        tracker = self.tracker
+        self.tracker = None
+        if tracker is None:
             return
-        stack = self.stack
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i][0] is module:
-                del stack[i:]  # also modules whose forward raised without their hook
-                return
-
-
-class _Tally:
-    """Saves counted per (module path, op) row, and bytes per storage (once each)."""
-
-    __slots__ = ("rows", "storages", "retired")
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, str], list[int]] = {}  # key -> [count, stored, recomputable]
-        self.storages: dict[int, _Storage] = {}
-        self.retired: list[_Storage] = []  # entries whose storage died and whose key was reused
-
-    def add(self, key: tuple[str, str], t: torch.Tensor, recomputable: bool) -> None:
-        row = self.rows.get(key)
-        if row is None:
-            row = self.rows[key] = [0, 0, 0]
-        row[0] += 1
-        skey, ref, nbytes = _storage_of(t)
-        entry = self.storages.get(skey)
-        if entry is not None and _expired(entry.ref):
-            self.retired.append(entry)
-            entry = None
-        if entry is None:
-            entry = self.storages[skey] = _Storage(ref, nbytes)
-        if recomputable:
-            if entry.recomputable_row is None:
-                entry.recomputable_row = key
-        elif entry.stored_row is None:
-            entry.stored_row = key
-
-    def totals(self) -> tuple[int, int, list[SavedTensorsRow]]:
-        rows = {key: [count, 0, 0] for key, (count, _, _) in self.rows.items()}
-        stored = recomputable = 0
-        for s in (*self.retired, *self.storages.values()):
-            if s.stored_row is not None:
-                rows[s.stored_row][1] += s.nbytes
-                stored += s.nbytes
-            elif s.recomputable_row is not None:
-                rows[s.recomputable_row][2] += s.nbytes
-                recomputable += s.nbytes
-        ordered = sorted(
-            (SavedTensorsRow(m, op, c, sb, rb) for (m, op), (c, sb, rb) in rows.items()),
-            key=lambda r: (-(r.stored_bytes + r.recomputable_bytes), -r.count, r.module, r.op),
+        if innermost_function_mode() is tracker:
+            tracker.__exit__(None, None, None)
+            return
+        # A mode entered inside the block is still active: take ours from under it.
+        remove_function_mode_from_under(tracker)
+        raise RuntimeError(
+            "saved_tensors_report: a TorchFunctionMode entered inside the report's block is "
+            "still active; exit it before the report."
         )
-        return stored, recomputable, ordered
+
+    def close(self) -> None:
+        self.open = False
+        error: BaseException | None = None
+        for undo in reversed(self.cleanup):
+            try:
+                undo()
+            except BaseException as e:  # noqa: BLE001  (undo the rest anyway; re-raised below)
+                error = error or e
+        self.cleanup.clear()
+        self.modules = ModuleStack(0)
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        self.below = None
+        if error is not None:
+            raise error
 
 
 class SavedTensorsReport:
@@ -314,101 +204,106 @@ class SavedTensorsReport:
         ...     loss = (h * w).sum()           # mul saves h (a handle) and w
         >>> report.recomputable_bytes         # h, once: 256 * 256 * 4 bytes
         262144
-        >>> report.stored_bytes               # w, once (saved by matmul and mul)
+        >>> report.stored_bytes               # w, once (saved by matmul and mul) ...
         262144
+        >>> report.param_bytes, report.activation_bytes   # ... which existed before the block
+        (262144, 0)
     """
 
-    def __init__(self) -> None:
-        self._tally = _Tally()
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._observer = _Observer(model)
         self._state = "new"
-        self._thread = 0
-        self._modules = _ModuleStack(0)
-        self._tracker: _OpTracker | None = None
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._below: tuple[Callable[..., Any], Callable[..., Any]] | None = None
-        self._handled = 0  # id() of the tensor a scope just turned into a handle
-        self._cleanup: list[Callable[[], None]] = []
-        self._totals: tuple[int, int, list[SavedTensorsRow]] | None = None
+        self._result: tuple[Totals, list[SavedTensorsRow]] | None = None
 
     # ---------------------------------------------------------------- results
 
-    def _compute(self) -> tuple[int, int, list[SavedTensorsRow]]:
-        if self._totals is not None:
-            return self._totals
-        result = self._tally.totals()
+    def _compute(self) -> tuple[Totals, list[SavedTensorsRow]]:
+        if self._result is not None:
+            return self._result
+        rows = self._observer.tally.rows_list()
+        totals = Totals(
+            sum(r.activation_bytes for r in rows),
+            sum(r.param_bytes for r in rows),
+            sum(r.recomputable_bytes for r in rows),
+            self._observer.held(),
+        )
         if self._state == "done":
-            self._totals = result
-        return result
+            self._result = totals, rows
+        return totals, rows
 
     @property
     def stored_bytes(self) -> int:
         """Bytes autograd keeps for backward: the distinct storages of the tensors
-        it saved (parameters and inputs included), each counted once."""
-        return self._compute()[0]
+        it saved, each counted once (``activation_bytes + param_bytes``)."""
+        totals = self._compute()[0]
+        return totals.activation + totals.param
+
+    @property
+    def activation_bytes(self) -> int:
+        """The part of ``stored_bytes`` made during the block: what scoping can save."""
+        return self._compute()[0].activation
+
+    @property
+    def param_bytes(self) -> int:
+        """The part of ``stored_bytes`` that existed before the block (parameters,
+        inputs): alive anyway."""
+        return self._compute()[0].param
 
     @property
     def recomputable_bytes(self) -> int:
         """Bytes that scopes replaced with recompute handles (distinct storages
         that were never also stored)."""
-        return self._compute()[1]
+        return self._compute()[0].recomputable
+
+    @property
+    def held_by_scopes_bytes(self) -> int:
+        """Bytes that scopes keep alive for replay and autograd does not store: the
+        outside tensors their blocks read (whole storages, each once), measured
+        when the block ends."""
+        return self._compute()[0].held_by_scopes
 
     @property
     def rows(self) -> list[SavedTensorsRow]:
-        """One :class:`SavedTensorsRow` per (module, op), largest first."""
-        return list(self._compute()[2])
+        """One :class:`SavedTensorsRow` per (module, op), largest first (by
+        activation and recomputable bytes, then parameter bytes)."""
+        return list(self._compute()[1])
 
-    def table(self, top: int | None = None) -> str:
-        """The report as a text table; ``top`` limits it to the largest rows."""
-        return _format_table(*self._compute(), top)
+    def table(self, top: int | None = None, *, by: str | None = None, params: bool = True) -> str:
+        """The report as a text table.
+
+        Args:
+            top: show only the largest rows (the rest summed in one line).
+            by: group rows by ``"op"``, ``"module"``, ``"layer"`` (the module
+                path up to its first number: ``model.layers.3``) or ``"class"``
+                (the module's class); None: one row per (module, op).
+            params: False leaves out the parameter column and the rows that
+                only save tensors from before the block.
+        """
+        totals, rows = self._compute()
+        return table(rows, totals, by, top, params)
+
+    def diff(
+        self, other: SavedTensorsReport, *, by: str | None = None, top: int | None = None,
+        labels: tuple[str, str] = ("this", "other"),
+    ) -> str:  # fmt: skip
+        """This report and ``other`` side by side (e.g. ``plain.diff(scoped)``): stored
+        and recomputable bytes per row, largest change first, with the totals of
+        activations, parameters, bytes held by scopes, and all that is kept."""
+        if not isinstance(other, SavedTensorsReport):
+            raise TypeError(f"SavedTensorsReport.diff: other must be a SavedTensorsReport, got {type(other).__name__}")
+        (ta, a), (tb, b) = self._compute(), other._compute()
+        return diff_table(a, b, ta, tb, by, top, labels)
 
     def __str__(self) -> str:
         return self.table()
 
     def __repr__(self) -> str:
-        stored, recomputable, rows = self._compute()
+        totals, rows = self._compute()
         return (
-            f"<SavedTensorsReport ({self._state}): {len(rows)} rows, stored {_fmt_bytes(stored)}, "
-            f"recomputable {_fmt_bytes(recomputable)}>"
+            f"<SavedTensorsReport ({self._state}): {len(rows)} rows, activations {fmt_bytes(totals.activation)}, "
+            f"params {fmt_bytes(totals.param)}, recomputable {fmt_bytes(totals.recomputable)}, "
+            f"held by scopes {fmt_bytes(totals.held_by_scopes)}>"
         )
-
-    # ---------------------------------------------------------------- recording
-
-    def _where(self) -> tuple[str, str]:
-        module = self._modules.current()
-        tracker = self._tracker
-        func = tracker.current if tracker is not None else None
-        if func is not None:
-            op = _op_name(func)
-        else:
-            op = _python_caller()
-        return module, op
-
-    def _record(self, t: torch.Tensor, recomputable: bool) -> None:
-        self._tally.add(self._where(), t, recomputable)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        below = self._below
-        if below is None:
-            # No pair of ours below: no block tensor of this thread is alive (I1).
-            packed: Any = Stored(t, made_by_block=False)
-            recomputable = False
-        else:
-            self._handled = 0
-            packed = Foreign(below[1], below[0](t))
-            recomputable = self._handled == id(t)  # the listener has recorded it
-            self._handled = 0
-        if not recomputable and self._state == "open" and threading.get_ident() == self._thread:
-            with without_torch_function():
-                self._record(t, False)
-        return packed
-
-    def _on_scope_pack(self, t: torch.Tensor, handle: Any) -> None:
-        # A scope pair above ours turned ``t`` into a handle (stored and passed-on
-        # tensors reach our own pack through the scope's pair).
-        if self._state == "open" and threading.get_ident() == self._thread:
-            with without_torch_function():
-                self._record(t, True)
-            self._handled = id(t)
 
     # ---------------------------------------------------------------- context
 
@@ -418,70 +313,26 @@ class SavedTensorsReport:
                 "saved_tensors_report: this report was already used; call saved_tensors_report() "
                 "again for a new report."
             )
-        self._thread = threading.get_ident()
-        self._modules = _ModuleStack(self._thread)
-        below = top_saved_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
-        hooks.__enter__()  # raises (nothing changed) where saved-tensor hooks are disabled
-        self._below = below
-        self._hooks = hooks
-        try:
-            tracker = _OpTracker()
-            tracker.__enter__()
-            self._tracker = tracker
-            self._cleanup.append(self._exit_tracker)
-            self._cleanup.append(register_module_forward_pre_hook(self._modules.pre_hook).remove)
-            self._cleanup.append(register_module_forward_hook(self._modules.post_hook, always_call=True).remove)
-            self._cleanup.append(add_pack_listener(self._on_scope_pack))
-        except BaseException:
-            self._close()
-            raise
+        self._observer.enter()
         self._state = "open"
         return self
-
-    def _exit_tracker(self) -> None:
-        tracker = self._tracker
-        self._tracker = None
-        if tracker is None:
-            return
-        if innermost_function_mode() is tracker:
-            tracker.__exit__(None, None, None)
-            return
-        # A mode entered inside the block is still active: take ours from under it.
-        remove_function_mode_from_under(tracker)
-        raise RuntimeError(
-            "saved_tensors_report: a TorchFunctionMode entered inside the report's block is "
-            "still active; exit it before the report."
-        )
-
-    def _close(self) -> None:
-        error: BaseException | None = None
-        for undo in reversed(self._cleanup):
-            try:
-                undo()
-            except BaseException as e:  # noqa: BLE001  (undo the rest anyway; re-raised below)
-                error = error or e
-        self._cleanup.clear()
-        self._modules = _ModuleStack(0)
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
-        self._below = None
-        if error is not None:
-            raise error
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._state != "open":
             raise RuntimeError("saved_tensors_report: __exit__ without a matching __enter__.")
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self._observer.thread:
             raise RuntimeError("saved_tensors_report: exited in another thread than it was entered in.")
         self._state = "done"
-        self._close()
+        try:
+            self._observer.close()
+        finally:
+            self._compute()  # the totals as they are when the block ends
+            self._observer.states.clear()
 
 
-def saved_tensors_report() -> SavedTensorsReport:
+def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
     """Count what autograd saves for backward while the ``with`` block runs.
 
     ``with saved_tensors_report() as report:`` yields a
@@ -492,19 +343,32 @@ def saved_tensors_report() -> SavedTensorsReport:
 
     * ``report.stored_bytes``: bytes autograd keeps (distinct storages: a view,
       or a tensor saved by several ops, counts once; a saved view keeps its
-      whole storage). Parameters and inputs that ops save count too: autograd
-      holds them.
+      whole storage). It splits into ``report.activation_bytes``, the storages
+      made during the block (what scoping can save), and ``report.param_bytes``,
+      those that existed before it (parameters, inputs: alive anyway).
     * ``report.recomputable_bytes``: bytes of distinct storages that scopes
       saved as recompute handles (and that were not also stored).
+    * ``report.held_by_scopes_bytes``: what the scopes whose handles were saved
+      keep alive for replay that autograd does not store (the outside tensors
+      their blocks read, whole storages, each once), when the block ends. The
+      memory a recipe costs is ``stored_bytes + held_by_scopes_bytes``.
     * ``report.rows``: one :class:`SavedTensorsRow` per (module path, op),
       largest first; each storage's bytes are charged to the first row that
-      stored it (else the first that saved it as a handle).
-    * ``print(report)`` (or ``report.table(top=10)``) prints them as a table:
-      module path, op, count, stored bytes, recomputable bytes.
+      stored it (else the first that saved it as a handle). A row names the
+      shape, dtype and source line (``model.py:57``, the first frame outside
+      torch) of the op that made its largest tensor.
+    * ``print(report)`` (or ``report.table(top=10, by="layer", params=False)``)
+      prints them as a table, grouped by ``"op"``, ``"module"``, ``"layer"``
+      or ``"class"`` if asked; ``report.diff(other)`` puts two reports side by
+      side (plain vs scoped).
 
     The **module** is the innermost module whose forward was running, named
-    by its path from the outermost running module (``transformer.h.0.attn``;
-    the outermost module itself shows as its class name in parentheses). The
+    by its path from ``model`` when given (``transformer.h.0.attn``), else
+    from the outermost running module; that root itself shows as its class
+    name in parentheses. Under ``torch.compile`` the module hooks and the op
+    tracker stand aside while dynamo traces (the compiled program is the one
+    compiled without the report): the compiled program's saves show as
+    ``CompiledFunction.apply`` of the module that called it. The
     **op** is the torch-level function that was executing when autograd saved
     the tensor, as a :class:`~torch.overrides.TorchFunctionMode` sees it: a
     ``torch.*`` / ``torch.nn.functional.*`` function or ``Tensor`` method
@@ -528,6 +392,12 @@ def saved_tensors_report() -> SavedTensorsReport:
     scopes. Global state (saved-tensor hooks, torch function modes, module
     hooks) is restored when the block ends, also when it raises.
 
+    A tensor counts as made in the block when a torch function run in the
+    block returned it or made it while saving it; with no torch function
+    running (a custom ``autograd.Function`` on torch >= 2.15, a compiled
+    program), when its autograd node is newer than the block or, without one,
+    when it does not require grad.
+
     Example::
 
         >>> import torch
@@ -537,14 +407,16 @@ def saved_tensors_report() -> SavedTensorsReport:
         >>> x = torch.randn(32, 64)
         >>> with saved_tensors_report() as plain:
         ...     loss = model(x).sum()
-        >>> print(plain)
-        module  op      count      stored  recomputable
-        ------  ------  -----  ----------  ------------
-        2       linear      2   96.00 KiB           0 B
-        1       gelu        1   32.00 KiB           0 B
-        0       linear      1    8.00 KiB           0 B
-        ------  ------  -----  ----------  ------------
-        total               4  136.00 KiB           0 B
+        >>> print(plain.table(params=False))  # doctest: +ELLIPSIS
+        module  op      count  activations  recomputable  largest saved
+        ...
+        2       linear      2    32.00 KiB           0 B  float32[32, 256] at <doctest ...>:2
+        1       gelu        1    32.00 KiB           0 B  float32[32, 256] at <doctest ...>:2
+        ...
+        total               3    64.00 KiB           0 B
+        held by scopes (outside tensors blocks read, not saved): 0 B
+        >>> plain.activation_bytes, plain.param_bytes   # params: the weights and x
+        (65536, 73728)
         >>> _ = apply_recompute(model, check_fn=nn.GELU)
         >>> with saved_tensors_report() as scoped:
         ...     loss = model(x).sum()
@@ -552,5 +424,15 @@ def saved_tensors_report() -> SavedTensorsReport:
         32768
         >>> plain.stored_bytes - scoped.stored_bytes
         32768
+        >>> print(plain.diff(scoped, labels=("plain", "scoped"), by="op"))
+        op              plain stored  plain recomputable  scoped stored  scoped recomputable  change in stored
+        --------------  ------------  ------------------  -------------  -------------------  ----------------
+        linear            104.00 KiB                 0 B      72.00 KiB            32.00 KiB        -32.00 KiB
+        gelu               32.00 KiB                 0 B      32.00 KiB                  0 B               0 B
+        --------------  ------------  ------------------  -------------  -------------------  ----------------
+        activations        64.00 KiB                 0 B      32.00 KiB            32.00 KiB        -32.00 KiB
+        params             72.00 KiB                 0 B      72.00 KiB                  0 B               0 B
+        held by scopes           0 B                 0 B            0 B                  0 B               0 B
+        kept in all       136.00 KiB                 0 B     104.00 KiB            32.00 KiB        -32.00 KiB
     """
     return SavedTensorsReport()

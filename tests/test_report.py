@@ -301,13 +301,14 @@ def test_table():
         model(torch.randn(2, 5, 8)).sum()
     text = str(report)
     lines = text.splitlines()
-    assert lines[0].split() == ["module", "op", "count", "stored", "recomputable"]
-    assert lines[-1].split()[0] == "total"
-    assert len(lines) == len(report.rows) + 4
+    assert lines[0].split() == ["module", "op", "count", "activations", "recomputable", "params", "largest", "saved"]
+    assert lines[-2].split()[0] == "total"
+    assert lines[-1].startswith("held by scopes")
+    assert len(lines) == len(report.rows) + 5
     rows = report.rows
-    assert rows == sorted(rows, key=lambda r: -(r.stored_bytes + r.recomputable_bytes))
+    assert rows == sorted(rows, key=lambda r: (-(r.activation_bytes + r.recomputable_bytes), -r.param_bytes))
     top = report.table(top=3).splitlines()
-    assert len(top) == 3 + 5 and top[-3].startswith(f"... {len(rows) - 3} more rows")
+    assert len(top) == 3 + 6 and top[-4].startswith(f"... {len(rows) - 3} more rows")
     assert "SavedTensorsReport (done)" in repr(report)
     assert isinstance(rows[0], SavedTensorsRow) and isinstance(report, SavedTensorsReport)
 
