@@ -435,4 +435,4 @@ def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
         held by scopes           0 B                 0 B            0 B                  0 B               0 B
         kept in all       136.00 KiB                 0 B     104.00 KiB            32.00 KiB        -32.00 KiB
     """
-    return SavedTensorsReport()
+    return SavedTensorsReport(model)

@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -314,6 +315,142 @@ def test_table():
 
 
 # --------------------------------------------------------------------------------------
+# activations apart from parameters, held by scopes, grouping, source lines, diff
+
+
+def made_in_forward_program(scope):
+    """Parameters made before forward; everything else (x included) made in it."""
+    torch.manual_seed(0)
+    w1 = torch.randn(128, 32, requires_grad=True)
+    w2 = torch.randn(32, 128, requires_grad=True)
+    box = {}
+
+    def forward():
+        with saved_tensors_report() as box["report"]:
+            x = torch.randn(64, 32)
+            y = torch.randn(64, 128)  # read by the block (add), saved by no op
+            with scope():
+                a = (F.linear(x, w1) + y).tanh()  # linear saves x, tanh its output
+            out = F.linear(a, w2)
+            loss = F.dropout(out, 0.5).pow(2).sum()
+        return loss
+
+    _, held, _ = profile_cpu_memory(forward, lambda loss: loss.backward())
+    return box["report"], held
+
+
+def test_activation_bytes_are_what_forward_holds_and_param_bytes_the_rest():
+    report, held = made_in_forward_program(contextlib.nullcontext)
+    # Held after forward: what autograd keeps that forward made, and the loss scalar.
+    assert report.activation_bytes == held - 4
+    # w2 (saved by the second linear for its input's gradient): alive before, alive after.
+    # (x needs no gradient: the first linear saves x, not w1.)
+    assert report.param_bytes == 128 * 32 * 4
+    assert report.stored_bytes == report.activation_bytes + report.param_bytes
+    assert report.held_by_scopes_bytes == 0
+    rows = {(r.module, r.op): r for r in report.rows}
+    # dropout's mask is made inside the op that saves it: an activation.
+    assert rows[("(no module)", "dropout")].activation_bytes == 64 * 32 * 4
+    assert rows[("(no module)", "linear")].param_bytes == 128 * 32 * 4
+
+
+def test_held_by_scopes_bytes_are_what_blocks_keep_that_autograd_does_not():
+    report, held = made_in_forward_program(recompute_scope)
+    # The block read x, w1 and y; autograd saved x only: the block keeps y (made in
+    # forward) and w1 (alive anyway) alive for replay.
+    w1_bytes = 128 * 32 * 4
+    assert report.held_by_scopes_bytes == 64 * 128 * 4 + w1_bytes
+    assert report.activation_bytes + report.held_by_scopes_bytes - w1_bytes == held - 4
+    assert report.recomputable_bytes == 64 * 128 * 4  # a, once
+
+
+def test_held_by_scopes_counts_each_storage_once():
+    base = torch.randn(64, 64)
+    w = torch.randn(64, requires_grad=True)
+    with saved_tensors_report() as report:
+        with recompute_scope():
+            h = (base[:32] + w).sin() + (base[32:] + w).cos()  # two views of one storage
+        y = h.exp()
+    # add saves nothing: the block keeps base (the whole storage, once) and w.
+    assert report.held_by_scopes_bytes == 64 * 64 * 4 + 64 * 4
+    del h, y
+
+
+def test_alias_of_a_tensor_from_before_the_block_is_not_an_activation():
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(8, 64, requires_grad=True)
+    with saved_tensors_report() as report:
+        y = x @ w.detach()  # matmul saves the detached alias of w (a no-grad tensor made in the block)
+        z = (x * 2) @ w  # saves a new tensor (x * 2) and w
+    assert report.param_bytes == 64 * 64 * 4
+    assert report.activation_bytes == 8 * 64 * 4
+    del y, z
+
+
+def test_largest_tensor_names_shape_dtype_and_the_source_line():
+    w = torch.randn(16, 16, requires_grad=True)
+    with saved_tensors_report() as report:
+        h = torch.tanh(w.double() @ w.double())
+        line = sys._getframe().f_lineno - 1
+        y = h.sum()
+    (tanh,) = [r for r in report.rows if r.op == "tanh"]
+    assert tanh.largest_shape == (16, 16) and tanh.largest_dtype == torch.float64
+    assert tanh.largest_source == f"test_report.py:{line}"
+    assert f"float64[16, 16] at test_report.py:{line}" in report.table()
+    del y
+
+
+def test_table_by_groups_and_params_false():
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(2, 5, 8)  # from before the block: the first linear saves only old tensors
+    with saved_tensors_report() as report:
+        model(x).sum()
+    rows = report.rows
+    for by in ("op", "module", "layer", "class"):
+        text = report.table(by=by)
+        assert text.splitlines()[0].split()[0] == by if by != "module" else "module"
+        assert text.splitlines()[-2].split()[1] == str(sum(r.count for r in rows))
+    layer = report.table(by="layer")
+    assert {line.split()[0] for line in layer.splitlines()[2:-3]} == {"layers.0", "layers.1", "head"}
+    assert "Attn " in report.table(by="class") and "Dropout " in report.table(by="class")
+    assert "params" not in report.table(params=False).splitlines()[0]
+    hidden = report.table(params=False).splitlines()[2:-3]
+    assert len(hidden) == sum(1 for r in rows if r.activation_bytes or r.recomputable_bytes) < len(rows)
+    with pytest.raises(ValueError, match="by must be one of"):
+        report.table(by="layers")
+
+
+def test_paths_from_the_model_given():
+    torch.manual_seed(0)
+    model = Model()
+    with saved_tensors_report(model) as report:
+        model.layers[1].mlp(torch.randn(3, 8, requires_grad=True))  # called on its own
+    assert {r.module for r in report.rows} == {"layers.1.mlp.0", "layers.1.mlp.1", "layers.1.mlp.2"}
+    with saved_tensors_report(model) as whole:
+        model(torch.randn(2, 5, 8)).sum()
+    assert {"layers.0.attn.qkv", "head"} <= {r.module for r in whole.rows}
+    assert {r.module_class for r in whole.rows} >= {"Attn", "Linear", "GELU"}
+
+
+def test_diff_puts_two_reports_side_by_side():
+    with saved_tensors_report() as plain:
+        functional_program(lambda: contextlib.nullcontext())
+    with saved_tensors_report() as scoped:
+        functional_program(recompute_scope)
+    text = plain.diff(scoped, labels=("plain", "scoped"))
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["module", "op", "plain", "stored"]
+    tanh = next(line for line in lines if " tanh " in line)
+    assert tanh.split()[-2:] == ["-32.00", "KiB"]  # a: 64 x 128 floats, a handle when scoped
+    kept = next(line for line in lines if line.startswith("kept in all"))
+    assert "-32.00 KiB" in kept
+    assert "tanh" in plain.diff(scoped, by="op")
+    with pytest.raises(TypeError, match="must be a SavedTensorsReport"):
+        plain.diff("scoped")
+
+
+# --------------------------------------------------------------------------------------
 # transparency: gradients, what other hooks receive, in-place checks, no leaks
 
 
@@ -572,3 +709,86 @@ def test_other_threads_are_not_counted():
         y = x.sin()
     assert [(r.module, r.op) for r in report.rows] == [("(no module)", "sin")]
     del y, results
+
+
+# --------------------------------------------------------------------------------------
+# around compiled models: the report measures the program the user compiles
+
+
+class SaveCounter:
+    """An independent counter of what autograd saves (a plain saved_tensors_hooks pair)."""
+
+    def __init__(self):
+        self.count = 0
+        self.storages = {}
+
+    def pack(self, t):
+        self.count += 1
+        self.storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.tanh()
+
+
+def compiled_step(scoped, with_report, backend, fullgraph):
+    """One fresh compile and first call (inside the report when asked), counted from outside."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Stack()
+    if scoped:
+        gradient_scope.apply_recompute(model, check_fn=nn.Sequential)
+    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph)
+    x = torch.randn(8, 16, requires_grad=True)
+    counter = SaveCounter()
+    report = saved_tensors_report(model) if with_report else contextlib.nullcontext()
+    with warnings.catch_warnings():
+        # torch warns that global module hooks also fire for the OptimizedModule.
+        warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+        with counter.hooks(), report:
+            out = compiled(x)
+    out.sum().backward()
+    breaks = sum(counters["graph_break"].values())
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    torch._dynamo.reset()
+    return counter, breaks, grads, report
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["plain", "scoped"])
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "breaks_allowed"])
+def test_report_does_not_change_what_a_compiled_model_saves(scoped, fullgraph):
+    without, breaks_without, grads_without, _ = compiled_step(scoped, False, "aot_eager", fullgraph)
+    counted, breaks, grads, report = compiled_step(scoped, True, "aot_eager", fullgraph)
+    assert breaks == breaks_without == 0
+    assert counted.count == without.count
+    assert sum(counted.storages.values()) == sum(without.storages.values())
+    # It measures that program: every save of the compiled function, each storage once.
+    assert report.stored_bytes == sum(counted.storages.values())
+    assert sum(r.count for r in report.rows) == counted.count
+    assert {r.op for r in report.rows} == {"CompiledFunction.apply"}
+    for a, b in zip(grads, grads_without):
+        assert torch.equal(a, b)
+
+
+def test_report_around_a_scoped_model_compiled_with_inductor():
+    without, _, grads_without, _ = compiled_step(True, False, "inductor", True)
+    counted, breaks, grads, report = compiled_step(True, True, "inductor", True)
+    assert breaks == 0
+    assert (counted.count, sum(counted.storages.values())) == (without.count, sum(without.storages.values()))
+    assert report.stored_bytes == sum(counted.storages.values())
+    for a, b in zip(grads, grads_without):
+        torch.testing.assert_close(a, b)
