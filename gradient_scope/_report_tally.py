@@ -225,18 +225,26 @@ def group_rows(rows: Iterable[SavedTensorsRow], by: str | None) -> list[SavedTen
 
 
 def held_outside(records: Iterable[Any], input_type: type, stored: set[int]) -> int:
-    """Bytes of the distinct live storages that ``records`` (block records) keep in
-    their Inputs and that are not in ``stored``."""
+    """Bytes of the distinct live storages that ``records`` (block records) keep --
+    their Inputs and the generator states of their random ops -- and that are not
+    in ``stored``."""
     seen: set[int] = set()
     total = 0
+
+    def count(t: torch.Tensor) -> None:
+        nonlocal total
+        key, _, nbytes = storage_of(t)
+        if key not in stored and key not in seen:
+            seen.add(key)
+            total += nbytes
+
     for record in records:
         for rec in record.ops:
             for arg in (*rec[1], *rec[2].values()):
                 for a in arg if isinstance(arg, (list, tuple)) else (arg,):
                     if isinstance(a, input_type):
-                        key, _, nbytes = storage_of(a.tensor)  # type: ignore[attr-defined]
-                        if key not in stored and key not in seen:
-                            seen.add(key)
-                            total += nbytes
+                        count(a.tensor)  # type: ignore[attr-defined]
+            rng = rec[3]
+            if rng is not None:
+                count(rng[1])
     return total
-

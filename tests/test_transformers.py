@@ -13,6 +13,7 @@ memory after forward (the validated CPU probe of ``benchmarks/_harness/memory.py
 """
 
 import os
+import re
 import sys
 
 import pytest
@@ -145,3 +146,29 @@ def test_report_on_gpt2_shows_what_the_scopes_removed():
     # layer's output saved by the final LayerNorm.
     outside = {r.module for r in s.rows if r.recomputable_bytes and not r.module.startswith("transformer.h.")}
     assert outside == {"transformer.ln_f"}
+
+
+@pytest.mark.parametrize("recipe", ["plain", "per_layer", "per_layer_save_matmuls"])
+def test_report_on_llama_activations_are_what_forward_holds(recipe):
+    """activation_bytes (+ what scopes hold) is what forward holds; parameters,
+    saved as well, are apart and at the bottom of the table."""
+    setup = {
+        "plain": None,
+        "per_layer": lambda m: apply_recompute(m, check_fn=GradientCheckpointingLayer),
+        "per_layer_save_matmuls": lambda m: apply_recompute(
+            m, check_fn=GradientCheckpointingLayer, save=gradient_scope.save_matmuls
+        ),
+    }[recipe]
+    run = step("llama", setup, report=True)
+    report = run["report"]
+    # Held after forward: the activations autograd keeps, what scopes keep for replay
+    # (outside tensors their blocks read, RNG states of dropout), and the loss scalar.
+    assert report.activation_bytes + report.held_by_scopes_bytes == run["held"] - 4
+    assert (report.held_by_scopes_bytes == 0) == (recipe == "plain")
+    saved_params = {p.untyped_storage()._cdata: p.nbytes for p in run["model"].parameters()}
+    assert 0 < report.param_bytes <= sum(saved_params.values()) + 2 * SEQ * 8  # weights, input_ids
+    # Rows rank by what scoping can change; rows that save only parameters come last.
+    rows = report.rows
+    only_params = [i for i, r in enumerate(rows) if r.activation_bytes + r.recomputable_bytes == 0]
+    assert only_params and only_params == list(range(len(rows) - len(only_params), len(rows)))
+    assert all(re.fullmatch(r"\w+\.py:\d+", r.largest_source) for r in rows[:5])
