@@ -17,6 +17,7 @@ from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
 from ._options import disabled
+from ._model_stats import ModelStats, model_stats
 from ._report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from ._scope import recompute, recompute_scope
 from ._stats import ScopeStats
@@ -39,6 +40,7 @@ def _traced_block(*args: Any, **options: Any) -> Any:
 _scope.set_traced_block(_traced_block)
 
 __all__ = [
+    "ModelStats",
     "RecomputeError",
     "SavedTensorsReport",
     "SavedTensorsRow",
@@ -46,6 +48,7 @@ __all__ = [
     "apply_recompute",
     "checkpoint",
     "disabled",
+    "model_stats",
     "recompute",
     "recompute_scope",
     "recompute_sequential",

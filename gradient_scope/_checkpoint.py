@@ -4,16 +4,52 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
 
 from ._errors import check_bool
-from ._scope import recompute_scope
+from ._scope import counting_into, recompute_scope
+from ._stats import ScopeStats
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "checkpoint_stats", "reset_checkpoint_stats"]
+
+# The counters of the scopes checkpoint ran for each module (read by model_stats).
+_stats: weakref.WeakKeyDictionary[nn.Module, ScopeStats] = weakref.WeakKeyDictionary()
+
+
+def _owner(function: Any) -> nn.Module | None:
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _module_of(function: Any) -> nn.Module | None:
+    """The module ``function`` runs: the module itself, the owner of a bound method,
+    or the module a ``functools.partial`` passes first to an unbound forward
+    (transformers passes ``partial(forward, layer, **kwargs)``)."""
+    while isinstance(function, functools.partial):
+        inner = function.func
+        if not isinstance(inner, functools.partial) and _owner(inner) is None:
+            first = function.args[0] if function.args else None
+            return first if isinstance(first, nn.Module) else None
+        function = inner
+    return _owner(function)
+
+
+def checkpoint_stats(module: nn.Module) -> ScopeStats | None:
+    """The summed counters of the scopes :func:`checkpoint` ran for ``module``, or None."""
+    return _stats.get(module)
+
+
+def reset_checkpoint_stats(module: nn.Module) -> None:
+    # Dropped, not zeroed: scopes still in flight keep counting into the old object.
+    _stats.pop(module, None)
 
 
 def _function_name(fn: Any) -> str:
@@ -128,5 +164,11 @@ def checkpoint(
             (caller.f_code.co_filename, caller.f_lineno, f"gradient_scope.checkpoint({_function_name(function)})")
         )
         del caller  # the frame holds the caller's locals
+        module = _module_of(function)
+        if module is not None and not torch.compiler.is_compiling():
+            stats = _stats.get(module)
+            if stats is None:
+                stats = _stats[module] = ScopeStats()
+            counting_into(scope, stats)
     with scope:
         return function(*args, **kwargs)

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import torch.nn as nn
 
 from ._errors import Site
-from ._scope import recompute_scope
+from ._scope import counting_into, recompute_scope
+from ._stats import ScopeStats
 from .policies import as_save_policy
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
@@ -69,10 +70,11 @@ class _ScopedForward:
 
     Calls the module's own forward (``original``, the instance attribute it
     replaced, or else the class's ``forward``) inside a fresh
-    ``recompute_scope(**options)``.
+    ``recompute_scope(**options)``, whose counters add into ``stats`` (read by
+    ``model_stats``; ``reset_stats`` starts afresh).
     """
 
-    __slots__ = ("_module", "original", "options", "site")
+    __slots__ = ("_module", "original", "options", "site", "stats")
 
     def __init__(
         self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
@@ -81,6 +83,11 @@ class _ScopedForward:
         self.original = original
         self.options = options
         self.site = site  # the module path, named in errors
+        self.stats = ScopeStats()  # what its scopes counted (model_stats)
+
+    def reset_stats(self) -> None:
+        # A new object: scopes still in flight keep counting into the old one.
+        self.stats = ScopeStats()
 
     @property
     def module(self) -> nn.Module:
@@ -101,7 +108,7 @@ class _ScopedForward:
         scope = recompute_scope(**self.options)
         if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
             scope._at(self.site)
-        with scope:
+        with counting_into(scope, self.stats):
             return forward(*args, **kwargs)
 
     @property
@@ -119,6 +126,20 @@ class _ScopedForward:
     def __reduce__(self) -> Any:
         # Pickle/deepcopy with the module: the copy refers to the copied module.
         return (_rebuild_scoped_forward, (self.module, self.original, self.options, self.site))
+
+
+def scoped_forward_stats(module: nn.Module) -> ScopeStats | None:
+    """The counters of the scopes ``apply_recompute`` runs for ``module``, or None."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module:
+        return current.stats
+    return None
+
+
+def reset_scoped_forward_stats(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module:
+        current.reset_stats()
 
 
 def _rebuild_scoped_forward(
@@ -263,6 +284,7 @@ def apply_recompute(
         if isinstance(current, _ScopedForward):
             if current._module() is module:
                 current.options, current.site = dict(options), site
+                current.reset_stats()
                 continue
             original = current.original  # shared by a shallow copy of another module
         else:

@@ -232,6 +232,15 @@ recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-de
 )
 
 
+def counting_into(scope: Any, stats: ScopeStats) -> Any:
+    """``scope``, its counters adding into ``stats`` (shared by the scopes a model
+    helper runs for one module). Inside dynamo tracing the scope is part of the
+    graph and counts nothing."""
+    if isinstance(scope, recompute_scope):
+        scope._stats = stats
+    return scope
+
+
 def _rebuild_scope(options: dict[str, Any]) -> recompute_scope:
     return recompute_scope(**options)
 
