@@ -54,11 +54,12 @@ from ._errors import RecomputeError, inplace_error, internal_error
 from ._plan import Derived, replay, same_values
 from ._record import BlockRecord, Var, ViewSpec, moved
 from ._registry import tensor_of, value_in_memory
-from ._torch_compat import below_autograd, current_graph_task, queue_engine_callback
+from ._torch_compat import below_autograd, current_graph_task, profiler_range, queue_engine_callback
 
 __all__ = ["Handle", "ReplayState", "materialize"]
 
 Tensor = torch.Tensor
+_REPLAY = "gradient_scope.replay"  # the profiler range of each replay pass
 
 
 class Handle:
@@ -217,13 +218,13 @@ class ReplayState:
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None
             if ps is None:
-                with _recorder.paused(), torch.enable_grad(), below_autograd():
+                with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
                     return replay(record, self.derived, var, {}, ())[0]
             cached = ps.cache.get((var, len(var.root.writes)))
             if cached is not None:
                 self._served(ps, h)
                 return cached
-            with _recorder.paused(), torch.enable_grad(), below_autograd():
+            with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
                 value, holds = replay(record, self.derived, var, ps.cache, self._wanted(ps, h))
             for holder, key, v in holds:
                 ps.hold(holder, key, v)

@@ -19,6 +19,7 @@ from ._options import scopes_disabled
 from ._record import BlockRecord, Frame
 from ._replay import ReplayState
 from ._stats import ScopeStats
+from ._torch_compat import profiler_range
 from .policies import as_save_policy
 
 __all__ = ["recompute_scope", "recompute", "set_traced_block"]
@@ -138,6 +139,7 @@ class recompute_scope:
         self._frame: Frame | None = None
         self._nested = False
         self._active = False
+        self._range: Any = None  # the profiler range of the recorded region
         self._site: Site | None = None  # set by helpers that know the module path
 
     def _at(self, site: Site) -> recompute_scope:
@@ -185,6 +187,8 @@ class recompute_scope:
         else:
             record = BlockRecord()
             self._block, self._nested = _recorder.open_block(record, ReplayState(record), frame), False
+        rng = self._range = profiler_range("gradient_scope.record")
+        rng.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -205,6 +209,8 @@ class recompute_scope:
             )
         self._block = self._frame = None
         self._active = False
+        rng, self._range = self._range, None
+        rng.__exit__(None, None, None)
         aborted = exc_type is not None
         if self._nested:
             block.pop(aborted)

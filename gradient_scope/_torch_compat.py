@@ -16,6 +16,7 @@ to fail with a message that names the torch floor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -59,6 +60,7 @@ __all__ = [
     "innermost_function_mode",
     "remove_function_mode_from_under",
     "SEEDED_TAG",
+    "profiler_range",
 ]
 
 OpOverload = torch._ops.OpOverload
@@ -312,3 +314,16 @@ def op_qualified_name(op: Any) -> Any:
     """``"namespace::name"`` of an ``OpOverloadPacket`` (``torch/_ops.py``:
     ``OpOverloadPacket._qualified_op_name``), or None for anything else."""
     return getattr(op, "_qualified_op_name", None)
+
+
+# ---------------------------------------------------------------- profiler
+# A named range in profiler traces that dispatches no op (a block's recorder must not
+# see it): torch/csrc/profiler/python/init.cpp, RecordFunctionFast (torch >= 2.2).
+_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
+_RecordFunctionFast = torch._C._profiler._RecordFunctionFast
+
+
+def profiler_range(name: str) -> Any:
+    """A context manager marking ``name`` in profiler traces while a profiler
+    runs; otherwise a no-op (one flag read)."""
+    return _RecordFunctionFast(name) if _profiler_enabled() else contextlib.nullcontext()
