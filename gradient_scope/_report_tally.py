@@ -160,12 +160,9 @@ class Tally:
                 a[3] = s  # the largest, an activation or a handle before a parameter
         rows = []
         for (module, op, cls), (rec, act, par, big) in acc.items():
-            rows.append(
-                SavedTensorsRow(
-                    module, op, self.rows[(module, op, cls)], act + par, rec, act, par, cls,
-                    *((big.nbytes, big.shape, big.dtype, _source(big.where)) if big is not None else ()),
-                )  # fmt: skip
-            )
+            largest = (big.nbytes, big.shape, big.dtype, _source(big.where)) if big is not None else ()
+            count = self.rows[(module, op, cls)]
+            rows.append(SavedTensorsRow(module, op, count, act + par, rec, act, par, cls, *largest))
         return sort_rows(rows)
 
 
@@ -199,7 +196,9 @@ def group_rows(rows: Iterable[SavedTensorsRow], by: str | None) -> list[SavedTen
     """``rows`` summed by the grouping ``by`` (see :data:`GROUPINGS`)."""
     keyfn = GROUPINGS.get(by)
     if keyfn is None:
-        raise ValueError(f"saved_tensors_report: by must be one of 'op', 'module', 'layer', 'class' or None, got {by!r}")
+        raise ValueError(
+            f"saved_tensors_report: by must be one of 'op', 'module', 'layer', 'class' or None, got {by!r}"
+        )
     if by is None:
         return list(rows)
     groups: dict[tuple[str, str], SavedTensorsRow] = {}

@@ -14,9 +14,9 @@ def ranges(prof, name):
 
 
 def inside(event, ranges_):
+    t = event.time_range
     return any(
-        r.thread == event.thread and r.time_range.start <= event.time_range.start and event.time_range.end <= r.time_range.end
-        for r in ranges_
+        r.thread == event.thread and r.time_range.start <= t.start and t.end <= r.time_range.end for r in ranges_
     )
 
 
