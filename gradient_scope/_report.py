@@ -30,13 +30,14 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._record import Input
 from ._pack import Foreign, Stored, add_pack_listener, unpack
+from ._record import Input
 from ._report_format import Totals, diff_table, fmt_bytes, table
 from ._report_tally import SavedTensorsRow, Tally, held_outside
 from ._report_where import Location, ModuleStack, OpTracker, op_name, python_caller, user_line
 from ._torch_compat import (
     innermost_function_mode,
+    node_sequence_nr,
     remove_function_mode_from_under,
     sequence_nr,
     top_saved_hooks,
@@ -84,7 +85,7 @@ class _Observer:
         # parameter; what else such code saves it made itself.
         g = t.grad_fn
         if g is not None:
-            return bool(g._sequence_nr() >= self.seq0)
+            return node_sequence_nr(g) >= self.seq0
         return not t.requires_grad
 
     def _made_at(self, t: torch.Tensor, key: int) -> Location | None:

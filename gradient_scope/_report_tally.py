@@ -239,11 +239,10 @@ def held_outside(records: Iterable[Any], input_type: type, stored: set[int]) -> 
 
     for record in records:
         for rec in record.ops:
-            for arg in (*rec[1], *rec[2].values()):
+            for arg in (*rec.args, *rec.kwargs.values()):
                 for a in arg if isinstance(arg, (list, tuple)) else (arg,):
                     if isinstance(a, input_type):
                         count(a.tensor)  # type: ignore[attr-defined]
-            rng = rec[3]
-            if rng is not None:
-                count(rng[1])
+            if rec.rng is not None:
+                count(rec.rng[1])  # (generator, state)
     return total
