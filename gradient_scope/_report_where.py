@@ -177,11 +177,13 @@ class OpTracker(TorchFunctionMode):
         return out
 
     def _note(self, out: Tensor, args: Any, kwargs: Any) -> None:
-        if (args and out is args[0]) or (kwargs and "out" in kwargs) or out._is_view():
-            return  # in place, an out= variant, a view: no new storage
+        if (args and out is args[0]) or (kwargs and "out" in kwargs):
+            return  # in place, an out= variant: no new storage
         key = _key(out)
-        if out.grad_fn is None and any(_key(a) == key for a in _tensors(args)):
-            return  # an alias of an argument (detach, .data, ...)
+        # A view of an argument, or an alias (detach, .data, ...), is no new storage; a
+        # view of what the op made is (F.linear with a bias on 3-D input returns one).
+        if (out.grad_fn is None or out._is_view()) and any(_key(a) == key for a in _tensors(args)):
+            return
         self.made[key] = user_line(sys._getframe(2))
 
     def made_by_running_op(self, t: Tensor, key: int) -> bool:

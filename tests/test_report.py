@@ -387,6 +387,21 @@ def test_alias_of_a_tensor_from_before_the_block_is_not_an_activation():
     del y, z
 
 
+def test_a_view_an_op_returns_of_what_it_made_is_an_activation():
+    fc = nn.Linear(8, 32)  # with a bias, F.linear on 3-D input returns a view of its result
+    x = torch.randn(2, 5, 8)
+    with saved_tensors_report() as report:
+        h = fc(x)
+        assert h._is_view()
+        y = F.gelu(h)  # saves h
+        z = h[0].exp()  # saves its output: a view's op makes new memory
+    rows = {r.op: r for r in report.rows}
+    assert rows["gelu"].activation_bytes == 2 * 5 * 32 * 4 and rows["gelu"].param_bytes == 0
+    assert rows["exp"].activation_bytes == 5 * 32 * 4
+    assert rows["linear"].param_bytes == 8 * 2 * 5 * 4  # x; the weight is not saved (x needs no grad)
+    del y, z
+
+
 def test_largest_tensor_names_shape_dtype_and_the_source_line():
     w = torch.randn(16, 16, requires_grad=True)
     with saved_tensors_report() as report:
