@@ -63,6 +63,7 @@ class _Observer:
         self.handled = 0  # id() of the tensor a scope just turned into a handle
         self.cleanup: list[Callable[[], None]] = []
         self.states: dict[int, weakref.ref[Any]] = {}  # replay states of the blocks seen
+        self.made: dict[int, Any] = {}  # the op tracker's storages made in the block
 
     # -- where and what
 
@@ -131,7 +132,24 @@ class _Observer:
             record = getattr(state, "record", None)
             if record is not None:
                 records.append(record)
-        return held_outside(records, Input, self.tally.stored_keys())
+        old = self.modules.state_keys()
+        made = self.made
+
+        def held_for_replay(inp: Input, key: int) -> bool:
+            # Whether only the scope's hold keeps an Input's storage: a private copy, a
+            # tensor made in the block, one whose own tensor has died; not the
+            # parameters and buffers of the modules that ran, nor an older live tensor.
+            if inp.snapshot or key in made:
+                return True
+            if key in old:
+                return False
+            src = inp.source()
+            if src is None:
+                return True
+            g = src.grad_fn
+            return g is not None and node_sequence_nr(g) >= self.seq0
+
+        return held_outside(records, Input, self.tally.stored_keys(), held_for_replay)
 
     # -- entering and leaving
 
@@ -148,6 +166,7 @@ class _Observer:
             tracker = OpTracker()
             tracker.__enter__()
             self.tracker = tracker
+            self.made = tracker.made
             self.cleanup.append(self._exit_tracker)
             self.cleanup.append(register_module_forward_pre_hook(self.modules.pre_hook).remove)
             self.cleanup.append(register_module_forward_hook(self.modules.post_hook, always_call=True).remove)
@@ -181,7 +200,7 @@ class _Observer:
             except BaseException as e:  # noqa: BLE001  (undo the rest anyway; re-raised below)
                 error = error or e
         self.cleanup.clear()
-        self.modules = ModuleStack(0)
+        self.modules.stack = []  # no module kept alive (the roots are weak)
         hooks, self.hooks = self.hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
@@ -259,8 +278,9 @@ class SavedTensorsReport:
     @property
     def held_by_scopes_bytes(self) -> int:
         """Bytes that scopes keep alive for replay and autograd does not store: the
-        outside tensors their blocks read (whole storages, each once), measured
-        when the block ends."""
+        tensors made during the report's block that their blocks read (whole
+        storages, each once; parameters and other older tensors are alive anyway),
+        and the RNG states of their random ops, measured when the block ends."""
         return self._compute()[0].held_by_scopes
 
     @property
@@ -331,6 +351,7 @@ class SavedTensorsReport:
         finally:
             self._compute()  # the totals as they are when the block ends
             self._observer.states.clear()
+            self._observer.made = {}
 
 
 def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
@@ -350,9 +371,10 @@ def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
     * ``report.recomputable_bytes``: bytes of distinct storages that scopes
       saved as recompute handles (and that were not also stored).
     * ``report.held_by_scopes_bytes``: what the scopes whose handles were saved
-      keep alive for replay that autograd does not store (the outside tensors
-      their blocks read, whole storages, each once), when the block ends. The
-      memory a recipe costs is ``stored_bytes + held_by_scopes_bytes``.
+      keep alive for replay that autograd does not store (the tensors made in the
+      block that their blocks read, whole storages, each once, and the RNG states
+      of their random ops), when the block ends. What forward leaves in memory is
+      ``activation_bytes + held_by_scopes_bytes`` (and what it returns).
     * ``report.rows``: one :class:`SavedTensorsRow` per (module path, op),
       largest first; each storage's bytes are charged to the first row that
       stored it (else the first that saved it as a handle). A row names the
@@ -415,7 +437,7 @@ def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
         1       gelu        1    32.00 KiB           0 B  float32[32, 256] at <doctest ...>:2
         ...
         total               3    64.00 KiB           0 B
-        held by scopes (outside tensors blocks read, not saved): 0 B
+        held by scopes for replay (not saved by autograd): 0 B
         >>> plain.activation_bytes, plain.param_bytes   # params: the weights and x
         (65536, 73728)
         >>> _ = apply_recompute(model, check_fn=nn.GELU)

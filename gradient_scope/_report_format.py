@@ -98,7 +98,7 @@ def table(rows: list[SavedTensorsRow], totals: Totals, by: str | None, top: int 
     count = sum(r.count for r in rows)
     footer = [cols(("total", *pad), count, totals.activation, totals.recomputable, totals.param, "")]
     text = _render(header, lines, footer, len(keys), True)
-    return f"{text}\nheld by scopes (outside tensors blocks read, not saved): {fmt_bytes(totals.held_by_scopes)}"
+    return f"{text}\nheld by scopes for replay (not saved by autograd): {fmt_bytes(totals.held_by_scopes)}"
 
 
 def diff_table(

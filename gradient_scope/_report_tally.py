@@ -223,17 +223,18 @@ def group_rows(rows: Iterable[SavedTensorsRow], by: str | None) -> list[SavedTen
     return sort_rows(groups.values())
 
 
-def held_outside(records: Iterable[Any], input_type: type, stored: set[int]) -> int:
-    """Bytes of the distinct live storages that ``records`` (block records) keep --
-    their Inputs and the generator states of their random ops -- and that are not
-    in ``stored``."""
+def held_outside(records: Iterable[Any], input_type: type, stored: set[int], new: Callable[[Any, int], bool]) -> int:
+    """Bytes of the distinct live storages that ``records`` (block records) keep and
+    that are not in ``stored``: the Inputs for which ``new(input, key)`` says the
+    scope's hold is what keeps them (not parameters, not tensors alive anyway), and
+    the generator states of their random ops."""
     seen: set[int] = set()
     total = 0
 
-    def count(t: torch.Tensor) -> None:
+    def count(t: torch.Tensor, inp: Any) -> None:
         nonlocal total
         key, _, nbytes = storage_of(t)
-        if key not in stored and key not in seen:
+        if key not in stored and key not in seen and (inp is None or new(inp, key)):
             seen.add(key)
             total += nbytes
 
@@ -242,7 +243,7 @@ def held_outside(records: Iterable[Any], input_type: type, stored: set[int]) -> 
             for arg in (*rec.args, *rec.kwargs.values()):
                 for a in arg if isinstance(arg, (list, tuple)) else (arg,):
                     if isinstance(a, input_type):
-                        count(a.tensor)  # type: ignore[attr-defined]
+                        count(a.tensor, a)  # type: ignore[attr-defined]
             if rec.rng is not None:
-                count(rec.rng[1])  # (generator, state)
+                count(rec.rng[1], None)  # (generator, state): captured by the scope
     return total

@@ -204,7 +204,7 @@ class ModuleStack:
     Paths are relative to ``model`` when one is given, else to the outermost
     running module; that root itself shows as its class name in parentheses."""
 
-    __slots__ = ("thread", "stack", "names", "root", "root_label", "names_fresh")
+    __slots__ = ("thread", "stack", "names", "root", "root_label", "names_fresh", "roots")
 
     def __init__(self, thread: int, model: nn.Module | None = None) -> None:
         self.thread = thread
@@ -215,6 +215,7 @@ class ModuleStack:
         self.root = weakref.ref(model) if model is not None else None
         self.root_label = f"({type(model).__name__})" if model is not None else ""
         self.names_fresh = False
+        self.roots: dict[int, weakref.ref[nn.Module]] = {}  # outermost modules that ran
 
     def current(self) -> tuple[str, str]:
         """(path, class name) of the innermost running module."""
@@ -248,10 +249,23 @@ class ModuleStack:
         outer = self.stack[-1][1] + "." if self.stack else ""
         return f"{outer}({type(module).__name__})"
 
+    def state_keys(self) -> set[int]:
+        """Storage keys of the parameters and buffers of ``model`` and of the
+        outermost modules that ran (alive anyway)."""
+        keys: set[int] = set()
+        refs = [*self.roots.values(), *((self.root,) if self.root is not None else ())]
+        for ref in refs:
+            m = ref()
+            if m is not None:
+                keys.update(_key(t) for t in (*m.parameters(), *m.buffers()))
+        return keys
+
     def pre_hook(self, module: nn.Module, args: Any) -> None:
         if _compiling():
             return
         if threading.get_ident() == self.thread:
+            if not self.stack:
+                self.roots[id(module)] = weakref.ref(module)
             self.stack.append((module, self._label(module)))
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:

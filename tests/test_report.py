@@ -304,7 +304,7 @@ def test_table():
     lines = text.splitlines()
     assert lines[0].split() == ["module", "op", "count", "activations", "recomputable", "params", "largest", "saved"]
     assert lines[-2].split()[0] == "total"
-    assert lines[-1].startswith("held by scopes")
+    assert lines[-1].startswith("held by scopes for replay")
     assert len(lines) == len(report.rows) + 5
     rows = report.rows
     assert rows == sorted(rows, key=lambda r: (-(r.activation_bytes + r.recomputable_bytes), -r.param_bytes))
@@ -356,24 +356,30 @@ def test_activation_bytes_are_what_forward_holds_and_param_bytes_the_rest():
 
 def test_held_by_scopes_bytes_are_what_blocks_keep_that_autograd_does_not():
     report, held = made_in_forward_program(recompute_scope)
-    # The block read x, w1 and y; autograd saved x only: the block keeps y (made in
-    # forward) and w1 (alive anyway) alive for replay.
-    w1_bytes = 128 * 32 * 4
-    assert report.held_by_scopes_bytes == 64 * 128 * 4 + w1_bytes
-    assert report.activation_bytes + report.held_by_scopes_bytes - w1_bytes == held - 4
+    # The block read x, w1 and y; autograd saved x only. The block keeps y (made in
+    # forward) alive for replay; w1, from before, is alive anyway.
+    assert report.held_by_scopes_bytes == 64 * 128 * 4
+    assert report.activation_bytes + report.held_by_scopes_bytes == held - 4
     assert report.recomputable_bytes == 64 * 128 * 4  # a, once
 
 
-def test_held_by_scopes_counts_each_storage_once():
-    base = torch.randn(64, 64)
+def test_held_by_scopes_counts_each_storage_once_and_rng_states():
     w = torch.randn(64, requires_grad=True)
+    older = torch.randn(64)
     with saved_tensors_report() as report:
+        base = torch.randn(64, 64)
         with recompute_scope():
-            h = (base[:32] + w).sin() + (base[32:] + w).cos()  # two views of one storage
+            h = (base[:32] + w + older).sin() + (base[32:] + w).cos()  # two views of one storage
         y = h.exp()
-    # add saves nothing: the block keeps base (the whole storage, once) and w.
-    assert report.held_by_scopes_bytes == 64 * 64 * 4 + 64 * 4
-    del h, y
+    # add saves nothing: the block keeps base (the whole storage, once), w and older
+    # (from before the report: alive anyway, not counted).
+    assert report.held_by_scopes_bytes == 64 * 64 * 4
+    with saved_tensors_report() as dropout:
+        with recompute_scope():
+            d = F.dropout(w * 2, 0.5)  # the block keeps the CPU generator's state to replay it
+        z = d.exp()
+    assert dropout.held_by_scopes_bytes == torch.get_rng_state().nbytes
+    del h, y, d, z
 
 
 def test_alias_of_a_tensor_from_before_the_block_is_not_an_activation():
