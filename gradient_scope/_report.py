@@ -121,7 +121,8 @@ class _Observer:
                 self._record(t, True)
             self.handled = id(t)
             state = getattr(handle, "state", None)
-            if state is not None and id(state) not in self.states:
+            seen = self.states.get(id(state))
+            if state is not None and (seen is None or seen() is not state):
                 self.states[id(state)] = weakref.ref(state)
 
     def held(self) -> int:
