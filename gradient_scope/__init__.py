@@ -16,8 +16,8 @@ from . import _fsdp, _scope
 from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
-from ._options import disabled
 from ._model_stats import ModelStats, model_stats
+from ._options import disabled
 from ._report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from ._scope import recompute, recompute_scope
 from ._stats import ScopeStats
