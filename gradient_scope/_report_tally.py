@@ -80,9 +80,11 @@ class SavedTensorsRow:
 
 
 class _Storage:
-    __slots__ = ("nbytes", "recomputable_row", "ref", "stored_row", "activation", "shape", "dtype", "where")
+    __slots__ = ("nbytes", "recomputable_row", "ref", "stored_row", "activation", "shape", "dtype", "where", "serial")
 
-    def __init__(self, ref: Any, nbytes: int, t: torch.Tensor, activation: bool, where: Location | None) -> None:
+    def __init__(
+        self, ref: Any, nbytes: int, t: torch.Tensor, activation: bool, where: Location | None, serial: int
+    ) -> None:
         self.ref = ref  # StorageWeakRef, or a weakref to the tensor (no storage)
         self.nbytes = nbytes
         self.stored_row: RowKey | None = None
@@ -91,14 +93,15 @@ class _Storage:
         self.shape = tuple(t.shape)
         self.dtype = t.dtype
         self.where = where
+        self.serial = serial  # order of first saves: ties go to the first saved (run to run)
 
 
 def _expired(ref: Any) -> bool:
     return ref.expired() if isinstance(ref, StorageWeakRef) else ref() is None
 
 
-def _rank(s: _Storage) -> tuple[bool, int]:
-    return s.stored_row is None or s.activation, s.nbytes
+def _rank(s: _Storage) -> tuple[bool, int, int]:
+    return s.stored_row is None or s.activation, s.nbytes, -s.serial
 
 
 def _source(where: Location | None) -> str:
@@ -136,7 +139,9 @@ class Tally:
             entry = None
         if entry is None:
             made = activation(t, skey)
-            entry = self.storages[skey] = _Storage(ref, nbytes, t, made, where(t, skey) if made else None)
+            where_made = where(t, skey) if made else None
+            serial = len(self.storages) + len(self.retired)
+            entry = self.storages[skey] = _Storage(ref, nbytes, t, made, where_made, serial)
         if recomputable:
             if entry.recomputable_row is None:
                 entry.recomputable_row = key
