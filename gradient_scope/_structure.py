@@ -70,32 +70,51 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
     """The structural key of ``record`` and its slots (one pass over its ops)."""
     refs: list[Ref] = []
     of: dict[int, int] = {}
+    get = of.get
 
     def slot(r: Ref) -> int:
-        s = of.get(id(r))
+        s = get(id(r))
         if s is None:
             s = of[id(r)] = len(refs)
             refs.append(r)
         return s
 
+    # Hot loop (every replayed block, every step): per op, one flat tuple -- the op,
+    # (position, slot) of each ref argument, then (shape, dtype, device, root slot)
+    # of each output; the rare argument kinds go through ``_fill``.
     key: list[Hashable] = []
     for func, args, kwargs, rng, outs in record.ops:
-        fills: list[Fill] = []
+        k: list[Any] = [func, rng is None]
         for pos, a in enumerate(args):
-            how = _fill(a, slot)
-            if how is not ...:
-                fills.append((pos, how))
+            t = type(a)
+            if t is Var or t is Input:
+                s = get(id(a))
+                if s is None:
+                    s = of[id(a)] = len(refs)
+                    refs.append(a)
+                k += (pos, s)
+            elif t is MetaArg or t is list:
+                how = _fill(a, slot)
+                if how is not ...:
+                    k += (pos, how)
         for name, a in kwargs.items():
             how = _fill(a, slot)
             if how is not ...:
-                fills.append((name, how))
-        made = tuple(
-            None if v is None else (slot(v), v.size, v.dtype, v.device, -1 if v.base is None else slot(v.base))
-            for v in outs
-        )
-        key.append((func, tuple(fills), rng is None, made))
+                k += (name, how)
+        k.append(...)
+        for v in outs:
+            if v is None:
+                k.append(None)
+                continue
+            s = get(id(v))
+            if s is None:
+                s = of[id(v)] = len(refs)
+                refs.append(v)
+            b = v.base
+            k += (s, v.size, v.dtype, v.device, -1 if b is None else slot(b))
+        key.append(tuple(k))
     for s, r in enumerate(refs):  # the writes of each storage group, by root
-        if (type(r) is Input or r.base is None) and r.writes:  # type: ignore[union-attr]
+        if r.writes and (type(r) is Input or r.base is None):  # type: ignore[union-attr]
             key.append((s, tuple(j for j, _ in r.writes)))
     return tuple(key), Slots(refs, of)
 
