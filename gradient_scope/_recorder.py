@@ -60,7 +60,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
     if block.unsettled:
         block.settle()
-    f = _FACTS_GET(func)
+    f = _FACTS_GET(id(func))
     if f is None:
         f = facts(func)
     if kwargs or not f.fast or not block.frame.plain:

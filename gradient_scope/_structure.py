@@ -84,7 +84,7 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
     # of each output; the rare argument kinds go through ``_fill``.
     key: list[Hashable] = []
     for func, args, kwargs, rng, outs in record.ops:
-        k: list[Any] = [func, rng is None]
+        k: list[Any] = [id(func), rng is None]  # an OpOverload hashes in Python; its Structure keeps it
         for pos, a in enumerate(args):
             t = type(a)
             if t is Var or t is Input:
@@ -153,7 +153,18 @@ class Program:
 class Structure:
     """Everything replay derives from one record structure (plain data, no tensors)."""
 
-    __slots__ = ("reads", "made_by", "group_writes", "fills", "outputs", "meta", "kernels", "closures", "reads_of_memo")
+    __slots__ = (
+        "reads",
+        "made_by",
+        "group_writes",
+        "fills",
+        "outputs",
+        "meta",
+        "funcs",
+        "kernels",
+        "closures",
+        "reads_of_memo",
+    )
 
     def __init__(self, record: BlockRecord, slots: Slots) -> None:
         of = slots.of
@@ -163,7 +174,8 @@ class Structure:
         self.reads: list[tuple[int, ...]] = []  # per op: the slots it reads, in argument order
         self.fills: list[tuple[Fill, ...]] = []
         self.outputs: list[tuple[tuple[int, int], ...]] = []  # per op: (output index, slot)
-        self.kernels = [overload_kernel(rec.func) for rec in record.ops]  # the callable each op runs
+        self.funcs = [rec.func for rec in record.ops]  # alive while their ids are in the key
+        self.kernels = [overload_kernel(f) for f in self.funcs]  # the callable each op runs
         for i, (_, args, kwargs, _, outs) in enumerate(record.ops):
             fills: list[Fill] = []
             read: list[int] = []
