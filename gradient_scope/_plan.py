@@ -199,7 +199,8 @@ def _run(
     """Run ``program``; return ``target``'s value and the values of its kept slots (as
     they stand at the end, for groups written to). A value is held in the environment
     only until its last reader has run."""
-    ops, refs, fills, meta, kernels, keep = record.ops, slots.refs, st.fills, st.meta, st.kernels, program.keep
+    ops, refs, fills, positional, meta = record.ops, slots.refs, st.fills, st.positional, st.meta
+    kernels, keep = st.kernels, program.keep
     env: list[Any] = [None] * len(refs)
     for s, i in program.loads:  # what the plan reads but does not make (P3, P6)
         env[s] = _load(refs[s], ops[i].func, cache)
@@ -210,7 +211,13 @@ def _run(
         for i, outputs, frees in program.steps:
             rec = ops[i]
             func, rng = rec.func, rec.rng
-            args, kwargs = _arguments(rec, fills[i], env)
+            simple = positional[i]
+            if simple is not None:
+                args, kwargs = rec.args.copy(), rec.kwargs
+                for pos, s in simple:
+                    args[pos] = env[s]
+            else:
+                args, kwargs = _arguments(rec, fills[i], env)
             try:
                 if rng is None:
                     out = kernels[i](*args, **kwargs)

@@ -158,6 +158,7 @@ class Structure:
         "made_by",
         "group_writes",
         "fills",
+        "positional",
         "outputs",
         "meta",
         "funcs",
@@ -173,6 +174,8 @@ class Structure:
         self.meta: list[Any] = [None] * n  # slot -> (size, dtype, device) of a Var
         self.reads: list[tuple[int, ...]] = []  # per op: the slots it reads, in argument order
         self.fills: list[tuple[Fill, ...]] = []
+        # Per op: its fills when each is a ref at a position (most ops), else None.
+        self.positional: list[tuple[tuple[int, int], ...] | None] = []
         self.outputs: list[tuple[tuple[int, int], ...]] = []  # per op: (output index, slot)
         self.funcs = [rec.func for rec in record.ops]  # alive while their ids are in the key
         self.kernels = [overload_kernel(f) for f in self.funcs]  # the callable each op runs
@@ -189,6 +192,8 @@ class Structure:
                 elif type(how) is tuple:
                     read.extend(s for s in how if s >= 0)
             self.fills.append(tuple(fills))
+            simple = all(type(where) is int and type(how) is int for where, how in fills)
+            self.positional.append(tuple(fills) if simple else None)
             self.reads.append(tuple(read))
             made = []
             for k, v in enumerate(outs):
