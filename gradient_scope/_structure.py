@@ -275,6 +275,8 @@ class Structure:
         key = (target, wanted)
         p = c.programs.get(key)
         if p is None:
+            if len(c.programs) >= 64:  # handles asking in ever new orders: keep the table bounded
+                c.programs.clear()
             p = c.programs[key] = self._program(c.plan, target, wanted)
         return p
 
