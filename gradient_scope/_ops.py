@@ -109,10 +109,12 @@ class OpFacts:
         "scratch",
         "loose",
         "kernel",
+        "func",
     )
 
     def __init__(self, func: Any) -> None:
         schema = op_schema(func)
+        self.func = func  # keeps its id, the key of _FACTS, from being reused
         self.kernel = overload_kernel(func)  # what the hot path calls
         self.name: str = schema.name
         namespace, _, short = schema.name.partition("::")
@@ -168,12 +170,13 @@ class OpFacts:
         return args[i] if i < len(args) else (args[0] if args else 0)
 
 
-_FACTS: dict[Any, OpFacts] = {}
+# By id(func): an OpOverload hashes in Python (one more frame per recorded op).
+_FACTS: dict[int, OpFacts] = {}
 
 
 def facts(func: Any) -> OpFacts:
     """The facts of an ``OpOverload`` (cached)."""
-    f = _FACTS.get(func)
+    f = _FACTS.get(id(func))
     if f is None:
-        f = _FACTS[func] = OpFacts(func)
+        f = _FACTS[id(func)] = OpFacts(func)
     return f

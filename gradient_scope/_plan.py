@@ -7,31 +7,25 @@ by an earlier op, so the closure is found in one pass over the ops, from the
 last one down. Running a plan drops each intermediate value as soon as no later
 op of the plan reads it, except the values the other pending handles of the
 pass will ask for (P4): those it returns, each with the handle that will ask.
+Plans, and when each value is dropped, are worked out once per record structure
+(``_structure``): every layer and every step with the same structure shares them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from . import _rng
 from ._errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_error
-from ._record import NO_KWARGS, BlockRecord, Input, MetaArg, OpRecord, Ref, Var, live_value
+from ._record import BlockRecord, Input, OpRecord, Ref, Var, live_value
+from ._structure import Fill, Program, Slots, Structure, structure_of
 from ._subclass import data_storage_id, storage_freed
-from ._torch_compat import overload_kernel, without_autocast
+from ._torch_compat import without_autocast
 
-__all__ = [
-    "Instr",
-    "Derived",
-    "op_refs",
-    "compile_op",
-    "closure",
-    "replay",
-    "same_values",
-    "add_freed_storage_handler",
-]
+__all__ = ["Derived", "op_refs", "replay", "same_values", "add_freed_storage_handler"]
 
 Tensor = torch.Tensor
 H = TypeVar("H")  # whoever holds a kept value (a pending handle)
@@ -133,122 +127,23 @@ def op_refs(rec: OpRecord) -> tuple[Ref, ...]:
     return tuple(out)
 
 
-#: An op compiled for replay: ``(op, func, template args, (position, ref id) slots,
-#: other slots or None, kwargs template or None, rng, ((output index, Var), ...))``.
-Instr = tuple[Any, Any, list[Any], tuple[tuple[int, int], ...], Any, Any, Any, tuple[tuple[int, Var], ...]]
-
-
-def compile_op(rec: OpRecord) -> Instr:
-    """``rec`` as an instruction: what varies between replays is looked up by slot."""
-    func, rargs, rkwargs, rng, outs = rec
-    tmpl = list(rargs)
-    slots: list[tuple[int, int]] = []
-    other: list[tuple[int, Any]] = []  # MetaArgs and Tensor[] arguments
-    for pos, a in enumerate(rargs):
-        if type(a) is Var or type(a) is Input:
-            slots.append((pos, id(a)))
-            tmpl[pos] = None
-        elif type(a) is MetaArg or type(a) is list:
-            other.append((pos, a))
-    outputs = tuple((k, v) for k, v in enumerate(outs) if v is not None)
-    return (overload_kernel(func), func, tmpl, tuple(slots), tuple(other) or None, rkwargs or None, rng, outputs)
-
-
-def _value(a: Any, env: dict[int, Any]) -> Any:
-    if type(a) is Var or type(a) is Input:
-        return env[id(a)]
-    if type(a) is MetaArg:
-        return a.empty()
-    if type(a) is list:
-        return [env[id(x)] if type(x) is Var or type(x) is Input else x for x in a]
-    return a
-
-
-def closure(
-    refs: Sequence[tuple[Ref, ...]], var: Var, bound: int, available: Callable[[Var], bool] | None
-) -> list[int]:
-    """The ops needed to rebuild ``var`` as it is before op ``bound``, sorted.
-
-    ``refs[i]`` is ``op_refs`` of op ``i``. A Var for which ``available`` is true
-    (its value is in a cache or alive, and its group was never written to) is
-    not rebuilt.
-    """
-    need = bytearray(bound)
-    need[var.op] = 1
-    for j, _ in var.root.writes:
-        if j >= bound:
-            break
-        need[j] = 1
-    # Hot loop (every replay of a record's first request): the group root is read
-    # from ``base`` inline rather than through the ``root`` property.
-    for i in range(bound - 1, -1, -1):
-        if not need[i]:
-            continue
-        for r in refs[i]:
-            if type(r) is Var:
-                base = r.base
-                writes = r.writes if base is None else base.writes
-                if writes or available is None or not available(r):
-                    need[r.op] = 1
-            else:  # an Input: its own root
-                writes = r.writes
-            for j, _ in writes:
-                if j >= i:
-                    break
-                need[j] = 1
-    return [i for i in range(bound) if need[i]]
-
-
 class Derived:
-    """What replay derives from a block's record: each op's refs and compiled form,
-    and what replaying each Var may read. Kept once the record is closed (its op
-    list no longer changes)."""
+    """What replay derives from one block's record: its structure (shared with every
+    record of the same signature) and its slots. Kept once the record is closed (its
+    op list no longer changes)."""
 
-    __slots__ = ("refs", "code", "reads")
+    __slots__ = ("structure", "slots")
 
     def __init__(self) -> None:
-        self.refs: list[tuple[Ref, ...]] | None = None
-        self.code: list[Instr | None] | None = None
-        self.reads: dict[Var, tuple[tuple[int, Var], ...]] = {}
+        self.structure: Structure | None = None
+        self.slots: Slots | None = None
 
-    def op_refs(self, record: BlockRecord) -> list[tuple[Ref, ...]]:
+    def of(self, record: BlockRecord) -> tuple[Structure, Slots]:
         if record.open:
-            return [op_refs(rec) for rec in record.ops]
-        if self.refs is None:
-            self.refs = [op_refs(rec) for rec in record.ops]
-        return self.refs
-
-    def compiled(self, record: BlockRecord, plan: list[int]) -> list[Instr]:
-        """The compiled form of (at least) the ops of ``plan``."""
-        ops = record.ops
-        if record.open:
-            code: list[Any] = [None] * len(ops)
-        else:
-            if self.code is None:
-                self.code = [None] * len(ops)
-            code = self.code
-        for i in plan:
-            if code[i] is None:
-                code[i] = compile_op(ops[i])
-        return code
-
-    def reads_of(self, record: BlockRecord, refs: Sequence[tuple[Ref, ...]], var: Var) -> Sequence[tuple[int, Var]]:
-        """``(i, r)`` for each op ``i`` of the ``closure`` of ``var`` (at the end of
-        the record) and each Var ``r`` it reads whose group is never written to:
-        the values a replay of ``var`` may read. Memoised once the record is closed."""
-        if not record.open:
-            pairs = self.reads.get(var)
-            if pairs is not None:
-                return pairs
-        found: list[tuple[int, Var]] = []
-        for i in closure(refs, var, len(record.ops), None):
-            for r in refs[i]:
-                if type(r) is Var and not r.root.writes:
-                    found.append((i, r))
-        pairs = tuple(found)
-        if not record.open:
-            self.reads[var] = pairs
-        return pairs
+            return structure_of(record)
+        if self.structure is None or self.slots is None:
+            self.structure, self.slots = structure_of(record)
+        return self.structure, self.slots
 
 
 def replay(
@@ -258,131 +153,103 @@ def replay(
     ``wanted`` lists the values other pending handles of the pass will ask for
     (P4); returns the value and ``(holder, key, value)`` for each wanted value this
     replay made on the way: what the pass keeps."""
+    st, slots = derived.of(record)
+    refs, of = slots.refs, slots.of
 
-    def available(r: Var) -> bool:
-        return (r, 0) in cache or live_value(r) is not None
+    def available(s: int) -> bool:
+        r = refs[s]
+        return (r, 0) in cache or live_value(r) is not None  # type: ignore[arg-type]
 
-    refs = derived.op_refs(record)
-    plan = closure(refs, target, len(record.ops), available)
-    code = derived.compiled(record, plan)
-    targets, frontier = _kept(derived, record, refs, wanted, plan)
-    env, drops = _load_env(record, refs, plan, target, cache)
-    value, produced = _run(record, code, plan, target, env, drops, targets.keys() | frontier.keys())
+    t = of[id(target)]
+    program = st.program(st.closure(t, available), t, tuple(of[id(n)] for n, _ in wanted))
+    value, produced = _run(record, st, slots, program, target, t, cache)
     holds: list[tuple[H, Key, Tensor]] = []
-    for n, v in produced.items():
-        k = len(n.root.writes)
-        holds.extend((h, (n, k), v) for h in targets.get(n, ()))
+    for s, v in produced.items():
+        n = refs[s]
+        k = len(st.group_writes[s])
+        holds.extend((wanted[w][1], (n, k), v) for w in program.targets.get(s, ()))  # type: ignore[misc]
         if not k:
-            holds.extend((h, (n, 0), v) for h in frontier.get(n, ()))
+            holds.extend((wanted[w][1], (n, 0), v) for w in program.frontier.get(s, ()))  # type: ignore[misc]
     return value, holds
 
 
-def _kept(
-    derived: Derived,
-    record: BlockRecord,
-    refs: Sequence[tuple[Ref, ...]],
-    wanted: Sequence[tuple[Var, H]],
-    plan: list[int],
-) -> tuple[dict[Var, list[H]], dict[Var, list[H]]]:
-    """Which values of ``plan`` to keep for ``wanted`` (P4): the wanted values it
-    makes (targets), and the values the wanted values' own replays would read
-    (frontier)."""
-    targets: dict[Var, list[H]] = {}
-    frontier: dict[Var, list[H]] = {}
-    if not wanted:
-        return targets, frontier
-    in_plan = set(plan)
-    for n2, h2 in wanted:
-        if n2.op in in_plan:
-            targets.setdefault(n2, []).append(h2)
-            continue
-        for i, r in derived.reads_of(record, refs, n2):
-            if r.op in in_plan and i not in in_plan:
-                frontier.setdefault(r, []).append(h2)
-    return targets, frontier
-
-
-def _load_env(
-    record: BlockRecord, refs: Sequence[tuple[Ref, ...]], plan: list[int], target: Var, cache: dict[Key, Tensor]
-) -> tuple[dict[int, Any], dict[int, list[int]]]:
-    """Before running: the values the plan reads from outside it (Inputs, cached or
-    live values), by ref id, with a slot for each value it makes and reads later;
-    and after which op each value is read for the last time (to drop it then)."""
-    ops = record.ops
-    env: dict[int, Any] = {}
-    made: set[int] = set()
-    last_use: dict[int, int] = {}
-    for i in plan:
-        for r in refs[i]:
-            rid = id(r)
-            last_use[rid] = i
-            if rid not in made and rid not in env:
-                env[rid] = _load(r, ops[i].func, cache)
-        for out_var in ops[i].outs:
-            if out_var is not None:
-                made.add(id(out_var))
-    drops: dict[int, list[int]] = {}
-    for rid, i in last_use.items():
-        env.setdefault(rid, None)  # made by the plan: filled when made
-        if rid != id(target):
-            drops.setdefault(i, []).append(rid)
-    return env, drops
+def _arguments(rec: OpRecord, fills: tuple[Fill, ...], env: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments of one replayed op: the record's, with each ref's value filled in."""
+    rargs, rkwargs = rec.args, rec.kwargs
+    args = rargs.copy()
+    kwargs = rkwargs
+    for where, how in fills:
+        if type(how) is int:
+            v = env[how]
+        else:
+            a = rargs[where] if type(where) is int else rkwargs[where]
+            v = a.empty() if how is None else [env[s] if s >= 0 else x for s, x in zip(how, a)]
+        if type(where) is int:
+            args[where] = v
+        else:
+            if kwargs is rkwargs:
+                kwargs = dict(rkwargs)
+            kwargs[where] = v
+    return args, kwargs
 
 
 def _run(
-    record: BlockRecord,
-    code: Sequence[Instr],
-    plan: list[int],
-    target: Var,
-    env: dict[int, Any],
-    drops: dict[int, list[int]],
-    keep: Collection[Var],
-) -> tuple[Tensor, dict[Var, Tensor]]:
-    """Run ``plan``; return ``target``'s value and the values of ``keep`` vars (as
-    they stand at the end, for groups written to). Values with a slot in ``env``
-    are stored there until their last reader has run."""
+    record: BlockRecord, st: Structure, slots: Slots, program: Program, target: Var, t: int, cache: dict[Key, Tensor]
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """Run ``program``; return ``target``'s value and the values of its kept slots (as
+    they stand at the end, for groups written to). A value is held in the environment
+    only until its last reader has run."""
+    ops, refs, fills, positional, meta = record.ops, slots.refs, st.fills, st.positional, st.meta
+    kernels, keep = st.kernels, program.keep
+    env: list[Any] = [None] * len(refs)
+    for s, i in program.loads:  # what the plan reads but does not make (P3, P6)
+        env[s] = _load(refs[s], ops[i].func, cache)
     debug_values = record.debug_values
-    produced: dict[Var, Tensor] = {}
+    produced: dict[int, Tensor] = {}
     result: Tensor | None = None
     with without_autocast():
-        for i in plan:
-            op, func, tmpl, slots, other, kw, rng, outputs = code[i]
-            args = tmpl.copy()
-            for pos, rid in slots:
-                args[pos] = env[rid]
-            if other is not None:
-                for pos, a in other:
-                    args[pos] = _value(a, env)
-            kwargs = {k: _value(a, env) for k, a in kw.items()} if kw is not None else NO_KWARGS
+        for i, outputs, frees in program.steps:
+            rec = ops[i]
+            func, rng = rec.func, rec.rng
+            simple = positional[i]
+            if simple is not None:
+                args, kwargs = rec.args.copy(), rec.kwargs
+                for pos, s in simple:
+                    args[pos] = env[s]
+            else:
+                args, kwargs = _arguments(rec, fills[i], env)
             try:
-                out = _rng.replay_with_state(rng, func, args, kwargs) if rng is not None else op(*args, **kwargs)
+                if rng is None:
+                    out = kernels[i](*args, **kwargs)
+                else:
+                    out = _rng.replay_with_state(rng, func, args, kwargs)
             except RecomputeError:
                 raise
             except Exception as e:
                 raise RecomputeError(f"gradient_scope: replaying {func} failed during backward: {e}. {_FAILED}") from e
             del args, kwargs
-            for k, var in outputs:
+            for k, s, store in outputs:
                 v = out if k == 0 and isinstance(out, Tensor) else out[k]
+                size, dtype, device = meta[s]
                 if (
                     type(v) is not Tensor
-                    or v.dtype != var.dtype
-                    or (var.size is not None and v.shape != var.size)
-                    or v.device != var.device
+                    or v.dtype != dtype
+                    or (size is not None and v.shape != size)
+                    or v.device != device
                     or debug_values
                 ):
-                    _check(func, var, v, debug_values)
-                if var is target:
+                    _check(func, refs[s], v, debug_values)  # type: ignore[arg-type]
+                if s == t:
                     result = v
-                if id(var) in env:
-                    env[id(var)] = v
-                if var in keep:
-                    produced[var] = v
-            if i in drops:
-                for rid in drops[i]:
-                    env.pop(rid, None)
+                if store:
+                    env[s] = v
+                if s in keep:
+                    produced[s] = v
+            for s in frees:
+                env[s] = None
     stats = target.frame.stats
     stats.replays += 1
-    stats.ops_replayed += len(plan)
+    stats.ops_replayed += len(program.plan)
     if result is None:
         internal_error(f"replay did not produce the {target.describe()}")
     return result, produced

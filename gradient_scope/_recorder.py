@@ -46,6 +46,8 @@ Tensor = torch.Tensor
 _FACTS_GET = _FACTS.get
 _LIVE_GET = _LIVE.get
 _grad_enabled = torch.is_grad_enabled
+# OpRecord(...) runs the NamedTuple's Python __new__; the hot path builds the tuple in C.
+_new_tuple = tuple.__new__
 
 
 def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -60,7 +62,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
     if block.unsettled:
         block.settle()
-    f = _FACTS_GET(func)
+    f = _FACTS_GET(id(func))
     if f is None:
         f = facts(func)
     if kwargs or not f.fast or not block.frame.plain:
@@ -93,7 +95,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
             register(var)
             outs = (var,)
-    ops.append(OpRecord(func, rargs, NO_KWARGS, None, outs))
+    ops.append(_new_tuple(OpRecord, (func, rargs, NO_KWARGS, None, outs)))
     return out
 
 
