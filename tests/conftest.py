@@ -7,8 +7,9 @@ scope (a ``contextlib.nullcontext`` in place of each scope), from the same seed,
 
 Global state as found: the autouse fixture ``global_state_as_found`` checks after every
 test that ``global_state()`` (saved-tensor hooks, dispatch modes, grad and inference mode,
-autocast, default dtype and device) is as the test found it, puts it back if not, and
-restores the RNG states; ``assert_interception_gone()`` and ``assert_stacks_clean()``
+autocast, default dtype and device) and ``patchable()`` (the PyTorch functions the library
+patches while its hooks are installed) are as the test found them, puts them back if not,
+and restores the RNG states; ``assert_interception_gone()`` and ``assert_stacks_clean()``
 check it mid-test, without gc.
 """
 
@@ -143,8 +144,8 @@ def _put_back(before):
 
 @pytest.fixture(autouse=True)
 def global_state_as_found():
-    """Global state as found, for every test: whatever a test does, ``global_state()`` is
-    as before afterwards (once its locals are gone; gc is allowed here, the strict no-gc
+    """Global state as found, for every test: whatever a test does, ``global_state()`` and
+    ``patchable()`` are as before afterwards (once its locals are gone; gc is allowed here, the strict no-gc
     checks are the tests' own ``assert_interception_gone()`` / ``assert_stacks_clean()``), and the RNG states are put
     back.  A test that leaves state behind fails, and the state is put back so that the
     failure does not spread to the following tests."""
@@ -159,12 +160,22 @@ def global_state_as_found():
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
     after = global_state()
-    if after != before:  # give reference cycles a chance before calling it a leak
+    patched = patchable()
+    if after != before or patched != _BASELINE_PATCHED[0]:  # give reference cycles a chance
         gc.collect()  # (only then: a collection costs ~0.3 s in a full run)
         after = global_state()
+        patched = patchable()
     if after != before:
         _put_back(before)
         pytest.fail(f"test left global state changed:\nbefore={before}\nafter={after}", pytrace=False)
+    if patched != _BASELINE_PATCHED[0]:
+        with contextlib.suppress(Exception):  # (so that the failure does not spread)
+            from gradient_scope import _interception
+
+            _interception.sweep()
+        pytest.fail(
+            f"test left PyTorch functions patched:\nbefore={_BASELINE_PATCHED[0]}\nafter={patched}", pytrace=False
+        )
 
 
 # --------------------------------------------------------------------------------------

@@ -11,8 +11,12 @@ import torch.nn.functional as F
 from gradient_scope import recompute_scope
 
 from conftest import (
+    PlainScopes,
     RecordingHooks,
+    Scopes,
+    assert_all_same,
     assert_interception_gone,
+    assert_stacks_clean,
     baseline_hooks,
     dead,
     dispatch_depth,
@@ -70,6 +74,56 @@ def test_state_restored_at_exit_when_nothing_survives():
     with recompute_scope():
         pass
     assert_interception_gone(before)
+    assert _func_grad_works()
+
+
+class _ScopedBackward(torch.autograd.Function):
+    """Its backward builds a graph in a scope, as hand-written recomputation does
+    (inside the backward pass, nothing scoped before it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin() * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            with recompute_scope():
+                c = x.sin() * x  # recomputed, to differentiate it here
+            (dx,) = torch.autograd.grad(c.sum(), x)
+        return g * dx
+
+
+@pytest.mark.parametrize("where", ["nonreentrant_checkpoint", "reentrant_checkpoint", "function_backward"])
+def test_scope_first_entered_inside_backward_leaves_no_trace(where):
+    """A scope whose block runs only inside a backward pass (checkpoint's recomputation,
+    a custom Function's backward), with no block tensor alive when the pass starts: the
+    engine drops the hook pair pushed inside the pass, and once the pass ends nothing of
+    the interception is left, the patched PyTorch functions included (no gc)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def program(scope):
+        torch.manual_seed(0)
+        w = torch.randn(8, 8, requires_grad=True)
+        x = torch.randn(4, 8, requires_grad=True)
+
+        def fn(a):
+            with scope():
+                b = torch.tanh(a @ w)
+            return b.exp()
+
+        if where == "function_backward":
+            y = _ScopedBackward.apply(x @ w)
+        else:
+            y = checkpoint(fn, x, use_reentrant=where == "reentrant_checkpoint")
+        y.sum().backward()
+        return dict(y=y.detach(), **grads(dict(x=x, w=w)))
+
+    scoped = program(Scopes())
+    assert_stacks_clean()  # before anything else runs autograd on this thread
+    assert_all_same(scoped, program(PlainScopes()))
     assert _func_grad_works()
 
 
