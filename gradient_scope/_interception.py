@@ -1,7 +1,7 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-RULES I1..I6: the hook pair's invariants.
+RULES I1..I7: the hook pair's invariants.
 
 I1. While a thread has an open block or a live block tensor, exactly one pair
     of ours is on its hook stack, innermost unless a context was entered after
@@ -35,6 +35,14 @@ I6. ``torch.autograd.graph.disable_saved_tensors_hooks`` (what ``torch.func``'s
     caller's message; while this thread has our pair, the refusal also says that
     the pair is ours and how to avoid it. It looks
     ``torch._C._autograd._saved_tensors_hooks_disable`` up when it runs.
+I7. Inside a backward pass (a checkpoint's recomputation, a custom backward)
+    a thread's stack is the engine's copy, which the engine drops when the node
+    ends: a pair pushed there needs no sweep, and the thread counts as having
+    our pair (I5) until the pass ends, when an engine callback queued at its
+    first push in that pass releases it (in whichever thread ends the pass;
+    also when the pass raises: then the callback is dropped unrun, and
+    releases as it dies). Without it, a scope whose blocks run only inside
+    passes would leave the patches installed: no sweep outside a pass follows.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from ._torch_compat import (
     pop_attribute_owner,
     pop_saved_hooks,
     push_saved_hooks,
+    queue_engine_callback,
     saved_hooks_disabled_message,
     saved_hooks_enabled,
     top_saved_hooks,
@@ -64,12 +73,18 @@ __all__ = ["ensure_on_top", "sweep"]
 class _Thread:
     """This module's per-thread state."""
 
-    __slots__ = ("ident", "installed", "busy")
+    __slots__ = ("ident", "outside", "passes", "busy")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
-        self.installed = False  # our pair may be on this thread's stack
+        self.outside = False  # our pair may be on this thread's own stack
+        self.passes: set[int] = set()  # backward passes that pushed our pair here (I7)
         self.busy = 0  # > 0: inside our pack/unpack (I4)
+
+    @property
+    def installed(self) -> bool:
+        """Whether this thread counts as having our pair (I5)."""
+        return self.outside or bool(self.passes)
 
 
 _tls = threading.local()
@@ -246,9 +261,57 @@ _PATCHES = (
 # ---------------------------------------------------------------- lifetime (I1, I4)
 
 
+def _hold(st: _Thread, task: int) -> None:
+    """``st``'s thread has our pair outside any backward pass (``task`` -1) or in
+    backward pass ``task``; the patches are in place while some thread has it (I5)."""
+    global _threads_installed
+    with _patch_lock:
+        if not st.installed:
+            if _threads_installed == 0:
+                for p in _PATCHES:
+                    p.install()
+            _threads_installed += 1
+        if task == -1:
+            st.outside = True
+        else:
+            st.passes.add(task)
+
+
+def _release(st: _Thread, task: int) -> None:
+    """The opposite of ``_hold(st, task)``; may run in another thread than ``st``'s (I7)."""
+    global _threads_installed
+    with _patch_lock:
+        was = st.installed
+        if task == -1:
+            st.outside = False
+        else:
+            st.passes.discard(task)
+        if was and not st.installed:
+            _threads_installed -= 1
+            if _threads_installed == 0:
+                for p in _PATCHES:
+                    p.remove()
+
+
+class _PassEnd:
+    """Releases a thread's hold for backward pass ``task`` (I7): called by the engine
+    when the pass ends, and dropped with the pass, also when the pass raises (the
+    engine then skips its callbacks)."""
+
+    __slots__ = ("st", "task")
+
+    def __init__(self, st: _Thread, task: int) -> None:
+        self.st, self.task = st, task
+
+    def __call__(self) -> None:
+        _release(self.st, self.task)
+
+    def __del__(self) -> None:
+        _release(self.st, self.task)
+
+
 def ensure_on_top(serial: int) -> None:
     """Make our pair the innermost one in this thread: block ``serial`` starts."""
-    global _threads_installed
     if not saved_hooks_enabled():
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
@@ -258,13 +321,13 @@ def ensure_on_top(serial: int) -> None:
             "there."
         )
     st = _thread()
-    if not st.installed:
-        with _patch_lock:
-            if _threads_installed == 0:
-                for p in _PATCHES:
-                    p.install()
-            _threads_installed += 1
-        st.installed = True
+    task = current_graph_task()
+    if task == -1:
+        if not st.outside:
+            _hold(st, -1)
+    elif task not in st.passes:
+        _hold(st, task)
+        queue_engine_callback(_PassEnd(st, task))  # (if it raises, _PassEnd dies: released)
     if not _is_ours(top_saved_hooks()):
         _push_ours(serial)
 
@@ -275,17 +338,11 @@ def _needed() -> bool:
 
 def sweep() -> None:
     """Remove this thread's pair if nothing needs it any more and it is safe (I1, I4)."""
-    global _threads_installed
     st: _Thread | None = getattr(_tls, "st", None)
-    if st is None or not st.installed or st.busy or current_graph_task() != -1 or _needed():
+    if st is None or not st.outside or st.busy or current_graph_task() != -1 or _needed():
         return
     _restore_stack([p for p in _take_stack() if not _is_ours(p)])
-    st.installed = False
-    with _patch_lock:
-        _threads_installed -= 1
-        if _threads_installed == 0:
-            for p in _PATCHES:
-                p.remove()
+    _release(st, -1)
 
 
 def _on_empty(lg: _registry.Ledger) -> None:

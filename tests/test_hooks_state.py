@@ -127,6 +127,37 @@ def test_scope_first_entered_inside_backward_leaves_no_trace(where):
     assert _func_grad_works()
 
 
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ValueError("backward fails here")
+
+
+def test_scope_inside_a_backward_pass_that_raises_leaves_no_trace():
+    """As above, when the pass raises after the scope's block ran in it (the engine
+    then skips its end-of-pass callbacks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(a):
+        with recompute_scope():
+            b = torch.tanh(a @ w)
+        return b.exp()
+
+    y = checkpoint(fn, _FailsInBackward.apply(x), use_reentrant=False)  # recomputed first
+    with pytest.raises(ValueError, match="backward fails here"):
+        y.sum().backward()
+    del y
+    assert_stacks_clean()
+    assert _func_grad_works()
+
+
 def test_disable_saved_tensors_hooks_works_after_interception_gone():
     a = torch.randn(4, requires_grad=True)
     with recompute_scope():
