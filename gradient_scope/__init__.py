@@ -13,6 +13,7 @@ from . import _torch_floor  # noqa: F401
 from typing import Any
 
 from . import _fsdp, _scope
+from ._budget import Budget
 from ._checkpoint import checkpoint
 from ._errors import RecomputeError
 from ._helpers import apply_recompute, recompute_sequential, remove_recompute
@@ -40,6 +41,7 @@ def _traced_block(*args: Any, **options: Any) -> Any:
 _scope.set_traced_block(_traced_block)
 
 __all__ = [
+    "Budget",
     "ModelStats",
     "RecomputeError",
     "SavedTensorsReport",

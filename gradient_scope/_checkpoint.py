@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
 
+from ._budget import Budget
 from ._errors import check_bool
 from ._scope import counting_into, recompute_scope
 from ._stats import ScopeStats
@@ -74,6 +75,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     respect_saved_tensors_hooks: bool | None = None,
+    budget: Budget | None = None,
     **kwargs: Any,
 ) -> Any:
     """Drop-in for ``torch.utils.checkpoint.checkpoint``: run ``function`` in a scope.
@@ -118,6 +120,8 @@ def checkpoint(
         respect_saved_tensors_hooks: accepted and ignored (torch >= 2.15 takes it for
             what selective checkpointing saves; what a scope keeps always goes
             through the ``saved_tensors_hooks`` around it).
+        budget: a :class:`Budget` shared by the calls it bounds (create it once):
+            the library decides what each call stores to stay within it.
         **kwargs: keyword arguments of ``function``.
 
     Raises:
@@ -157,7 +161,11 @@ def checkpoint(
     check_bool("gradient_scope.checkpoint", "early_stop", early_stop)
     if respect_saved_tensors_hooks is not None:
         check_bool("gradient_scope.checkpoint", "respect_saved_tensors_hooks", respect_saved_tensors_hooks)
-    scope = recompute_scope(preserve_rng_state=preserve_rng_state)
+    scope = (
+        recompute_scope(preserve_rng_state=preserve_rng_state)
+        if budget is None
+        else recompute_scope(preserve_rng_state=preserve_rng_state, budget=budget)
+    )
     if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
         caller = sys._getframe(1)
         scope._at(

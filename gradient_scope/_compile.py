@@ -97,6 +97,22 @@ _MISSING: str | None = _missing_piece()
 _warned = False
 
 
+_budget_warned = False
+
+
+def _warn_budget_ignored() -> None:
+    global _budget_warned
+    if not _budget_warned:
+        _budget_warned = True
+        warnings.warn(
+            "gradient_scope: budget= is not applied inside torch.compile'd code: there the scope "
+            "is part of the compiled graph and its backward recomputes the block's tensors (as "
+            "recompute_scope() without a budget). Budgets apply to scopes that run eagerly.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def _warn_fallback(missing: str) -> None:
     global _warned
     if _warned:
@@ -170,12 +186,19 @@ _ids = itertools.count(1)
 
 
 def _prepare(
-    preserve_rng_state: Any = True, save: Any = None, enabled: Any = True, debug: Any = False
+    preserve_rng_state: Any = True,
+    save: Any = None,
+    enabled: Any = True,
+    debug: Any = False,
+    budget_given: bool = False,
 ) -> tuple[Any, CompiledScope]:
     """Run for real while dynamo traces (``assume_constant_result``): check the options,
     register the scope, open the compile session. Returns ``(spec, scope)``: ``spec`` is
     the annotation value ``(region, scope_id)``, None for a no-op block, or
-    ``"eager"`` when this torch cannot compile scopes."""
+    ``"eager"`` when this torch cannot compile scopes. ``budget_given``: the scope
+    had ``budget=``, which compiled code does not apply (one warning)."""
+    if budget_given:
+        _warn_budget_ignored()
     options = dict(
         preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
         save=save,

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch.nn as nn
 
+from ._budget import Budget
 from ._errors import Site
 from ._scope import counting_into, recompute_scope
 from ._stats import ScopeStats
@@ -235,8 +236,10 @@ def apply_recompute(
             take them). When it matches no module, a ``UserWarning`` says
             so and nothing is changed.
         **scope_options: options of each scope (``save=``,
-            ``preserve_rng_state=``, ``enabled=``, ``debug=``); see
-            :class:`recompute_scope`.
+            ``preserve_rng_state=``, ``enabled=``, ``debug=``, ``budget=``); see
+            :class:`recompute_scope`. ``budget`` may be an int number of bytes
+            or a string such as ``"2GiB"`` (one :class:`Budget` for all the
+            chosen modules) or a :class:`Budget`, which then shows its plan.
 
     Returns:
         ``model``.
@@ -266,6 +269,9 @@ def apply_recompute(
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
     select = _selector(check_fn)
+    budget = scope_options.get("budget")
+    if budget is not None and not isinstance(budget, Budget):
+        scope_options = {**scope_options, "budget": Budget(budget)}
     options = _scope_options("apply_recompute", scope_options)
     chosen = [(path, m) for path, m in model.named_modules(remove_duplicate=True) if select(m)]
     if not chosen:

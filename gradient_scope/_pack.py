@@ -1,6 +1,6 @@
 """Save: what a save becomes -- a handle, the tensor as stored, or whatever the pair below ours makes.
 
-RULES S1..S3: what a save becomes.
+RULES S1..S4: what a save becomes.
 
 S1. A block tensor, or a view of one, saved while our pair applies to its
     block, becomes a :class:`~gradient_scope._replay.Handle` -- unless it must
@@ -16,6 +16,9 @@ S2. Anything else goes to the pair below ours, exactly as without the scope.
     checked at unpack: hooks switch PyTorch's own in-place check off.
 S3. Packing never reads the data of the tensor it packs: some kernels save an
     argument before they write it.
+S4. A block tensor its frame's ``store`` decision (a memory budget's plan) picks
+    is stored as in S2; its replay state is told, so that replays of other values
+    read it instead of recomputing it (``_replay`` P9).
 """
 
 from __future__ import annotations
@@ -155,6 +158,12 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
                     entry = None
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
+        frame = entry.frame
+        if frame.store is not None and frame.store(entry, t):  # S4
+            stored = Stored(t, True)
+            if view is None and frame.owner is not None:
+                frame.owner.note_stored(entry, stored.t)
+            return stored
         h = _handle(entry, t, view)  # S1
         if h is not None:
             for fn in _listeners:

@@ -236,22 +236,44 @@ class BlockOwner(Protocol):
     #: The block's record; None once released (P7 in ``_replay``).
     record: BlockRecord | None
 
-    def new_handle(
-        self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool
-    ) -> Any:
+    def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Any:
         """A pending handle of this block standing for ``var`` saved at ``version``."""
+
+    def note_stored(self, var: Var, alias: Tensor) -> None:
+        """``alias`` (held by autograd) is ``var``'s value, stored by a budget (S4)."""
 
 
 class Frame:
     """The options and counters of one scope recording into a block (nested
     scopes record into the enclosing block, each with its own frame)."""
 
-    __slots__ = ("preserve_rng", "save", "debug", "stats", "serial", "plain", "owner", "ledger", "site", "_kept")
+    __slots__ = (
+        "preserve_rng",
+        "save",
+        "debug",
+        "stats",
+        "serial",
+        "plain",
+        "owner",
+        "ledger",
+        "site",
+        "_kept",
+        "store",
+    )
 
     def __init__(
-        self, preserve_rng: bool, save: Callable[[Any], bool] | None, debug: bool, stats: ScopeStats, serial: int
+        self,
+        preserve_rng: bool,
+        save: Callable[[Any], bool] | None,
+        debug: bool,
+        stats: ScopeStats,
+        serial: int,
+        store: Callable[[Var, Tensor], bool] | None = None,
     ) -> None:
         self.preserve_rng = preserve_rng
+        # A budget's decision (``_budget`` M1): asked by the pack hook whether to store a
+        # saved tensor of this frame instead of making a handle (``_pack`` S4).
+        self.store = store
         self.save = save
         self.debug = debug
         self.stats = stats

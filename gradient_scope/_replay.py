@@ -5,7 +5,7 @@ held by its handles and by its live tensors' registry entries, so that it and
 the record die as soon as backward no longer needs the block). Which ops a
 replay runs, and running them, is ``_plan``'s.
 
-RULES P1..P8: what a replay keeps.
+RULES P1..P9: what a replay keeps.
 
 P1. Only the recorded ops in the dependency closure of the requested value
     run, in recorded order, below autograd (no graph is built) with grad mode
@@ -40,12 +40,16 @@ P8. A storage group with members of separate version counters (``unsafe_chunk``
     pieces) that outlive the block can change without the saved tensor's version
     changing: later saves of it are stored, and a handle made earlier checks
     those members before a replay.
+P9. A value a budget stored (``_pack`` S4) is, while autograd holds it, read by
+    replays of other values as a cached value: their closures stop at it. A closed
+    block is released (P7) once no handle is left and no stored value is alive.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -169,7 +173,7 @@ class ReplayState:
     cache, what replay derives from its record. Only this class writes them, under
     ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stored", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7)
@@ -178,6 +182,19 @@ class ReplayState:
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
+        # P9: values a budget stored (the Stored alias, weakly: autograd owns it).
+        self.stored: dict[Var, weakref.ref[Tensor]] = {}
+
+    def note_stored(self, var: Var, alias: Tensor) -> None:
+        """``alias`` (held by autograd) is ``var``'s stored value (P9)."""
+        with self.lock:
+            self.stored[var] = weakref.ref(alias, _on_stored_death(weakref.ref(self)))
+
+    def pending_backward(self) -> bool:
+        """Whether backward may still use this block: handles pending or values stored."""
+        if self.record is None:
+            return False
+        return self.handles > 0 or any(r() is not None for r in list(self.stored.values()))
 
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
         """A pending handle standing for ``var`` saved at ``version`` (the save path
@@ -219,13 +236,14 @@ class ReplayState:
             ps = self._pass(task) if task != -1 else None
             if ps is None:
                 with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
-                    return replay(record, self.derived, var, {}, ())[0]
+                    return replay(record, self.derived, var, _with_stored(self.stored, {}), ())[0]
             cached = ps.cache.get((var, len(var.root.writes)))
             if cached is not None:
                 self._served(ps, h)
                 return cached
             with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
-                value, holds = replay(record, self.derived, var, ps.cache, self._wanted(ps, h))
+                cache = _with_stored(self.stored, ps.cache)
+                value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h))
             for holder, key, v in holds:
                 ps.hold(holder, key, v)
             self._served(ps, h)
@@ -258,10 +276,17 @@ class ReplayState:
                 ps.release(hid)
                 if not ps.pending:
                     self.current = None
-            if self.handles == 0 and self.record is not None and not self.record.open:
-                self.record = None
-                self.current = None
-                self.derived = Derived()
+            self.release_if_done()
+
+    def release_if_done(self) -> None:
+        """P7, P9: a closed block with no handle left and no stored value alive is
+        released (call under ``lock``)."""
+        record = self.record
+        done = self.handles == 0 and record is not None and not record.open
+        if done and not any(r() is not None for r in self.stored.values()):
+            self.record = self.current = None
+            self.derived = Derived()
+            self.stored = {}
 
     # -- P4 bookkeeping
 
@@ -295,3 +320,30 @@ class ReplayState:
         ps.serve(h)
         if not ps.pending:
             self.current = None  # nothing left to serve in this pass: free the cache
+
+
+def _with_stored(
+    stored: dict[Var, weakref.ref[Tensor]], cache: dict[tuple[Var, int], Tensor]
+) -> dict[tuple[Var, int], Tensor]:
+    """``cache`` and the stored values still held by autograd (P9)."""
+    if not stored:
+        return cache
+    out = dict(cache)
+    for var, ref in stored.items():
+        t = ref()
+        if t is not None and not var.root.writes and t._version == var.version:
+            out.setdefault((var, 0), t)
+    return out
+
+
+def _on_stored_death(ref: weakref.ref[ReplayState]) -> Callable[[object], None]:
+    """The callback of a stored value's weak reference: the last one may release its
+    block (P9). Holds its state weakly (no reference cycle)."""
+
+    def died(_: object) -> None:
+        state = ref()
+        if state is not None:
+            with state.lock:
+                state.release_if_done()
+
+    return died

@@ -7,12 +7,14 @@ import inspect
 import itertools
 import os
 import sys
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar, overload
 
 import torch
 
 from . import _interception, _recorder
+from ._budget import Budget
 from ._entry import OpenBlock
 from ._errors import Site, check_bool
 from ._options import scopes_disabled
@@ -79,6 +81,9 @@ class recompute_scope:
         enabled: False makes the block a plain no-op block.
         debug: compare each recomputed value with what forward computed and
             raise :class:`RecomputeError` naming the op on a mismatch.
+        budget: a :class:`Budget` shared by several scopes: the library decides
+            what the blocks store to stay within it (not with ``save=``; ignored
+            in a scope nested in another one and inside compiled code).
 
     Used as a decorator (``@recompute_scope()``, or bare ``@recompute_scope``
     as with ``@torch.no_grad``), each call of the function is its own block
@@ -114,6 +119,8 @@ class recompute_scope:
         # While dynamo traces, a scope is an annotation of the compiled graph
         # (gradient_scope._compile); None there means "run it eagerly".
         if _dynamo_compiling() and _traced_block:
+            if options.pop("budget", None) is not None:
+                options["budget_given"] = True  # _compile warns: not applied there
             block = _traced_block[0](*args, **options)
             if block is not None:
                 return block
@@ -126,6 +133,7 @@ class recompute_scope:
         save: Iterable[Any] | Callable[[Any], bool] | None = None,
         enabled: bool = True,
         debug: bool = False,
+        budget: Budget | None = None,
     ) -> None:
         self._options: dict[str, Any] = dict(
             preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
@@ -133,6 +141,9 @@ class recompute_scope:
             enabled=check_bool("recompute_scope", "enabled", enabled),
             debug=check_bool("recompute_scope", "debug", debug),
         )
+        if budget is not None:
+            self._options["budget"] = _check_budget(budget, save)
+        self._budget_block: Any = None
         self._save = as_save_policy(save)
         self._stats = ScopeStats()
         self._block: OpenBlock | None = None
@@ -178,15 +189,25 @@ class recompute_scope:
         except BaseException:
             self._active = False
             raise
-        frame = self._frame = Frame(opts["preserve_rng_state"], self._save, opts["debug"], self._stats, serial)
-        frame.site = site
         outer = _recorder.innermost()
+        budget = opts.get("budget")
+        record = state = None
+        if outer is None:
+            record = BlockRecord()
+            state = ReplayState(record)
+            if budget is not None:
+                self._budget_block = budget.open_block(site, record, state)
+        elif budget is not None:
+            _warn_budget_nested()
+        frame = self._frame = Frame(
+            opts["preserve_rng_state"], self._save, opts["debug"], self._stats, serial, self._budget_block
+        )
+        frame.site = site
         if outer is not None:  # nested in an open block of this thread: record into it
             outer.push(frame)
             self._block, self._nested = outer, True
         else:
-            record = BlockRecord()
-            self._block, self._nested = _recorder.open_block(record, ReplayState(record), frame), False
+            self._block, self._nested = _recorder.open_block(record, state, frame), False  # type: ignore[arg-type]
         rng = self._range = profiler_range("gradient_scope.record")
         rng.__enter__()
         return self
@@ -219,6 +240,9 @@ class recompute_scope:
             clean = _recorder.close_block(block, aborted)
         finally:
             _interception.sweep()
+        if self._budget_block is not None:
+            plan, self._budget_block = self._budget_block, None
+            plan.close(aborted)
         if not clean and not aborted:
             raise RuntimeError(
                 "recompute_scope: a TorchDispatchMode entered inside the block was still "
@@ -245,6 +269,34 @@ def counting_into(scope: Any, stats: ScopeStats) -> Any:
     if isinstance(scope, recompute_scope):
         scope._stats = stats
     return scope
+
+
+def _check_budget(budget: Any, save: Any) -> Budget:
+    if not isinstance(budget, Budget):
+        raise TypeError(
+            "recompute_scope: budget must be a gradient_scope.Budget shared by the scopes it "
+            f"bounds (e.g. budget = Budget('2GiB'), created once), got {type(budget).__name__}"
+        )
+    if save is not None:
+        raise ValueError(
+            "recompute_scope: pass either save= or budget=, not both: with a budget, the library decides what to store."
+        )
+    return budget
+
+
+_warned: set[str] = set()
+
+
+def _warn_budget_nested() -> None:
+    if "nested" not in _warned:
+        _warned.add("nested")
+        warnings.warn(
+            "gradient_scope: a recompute_scope with budget= nested in another scope records into "
+            "the outer block, which follows its own options: the budget is not applied there. "
+            "Give budget= to the outermost scopes.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _rebuild_scope(options: dict[str, Any]) -> recompute_scope:
@@ -336,6 +388,7 @@ def recompute(
     save: Iterable[Any] | Callable[[Any], bool] | None = None,
     enabled: bool = True,
     debug: bool = False,
+    budget: Budget | None = None,
 ) -> recompute_scope: ...
 
 

@@ -1,0 +1,391 @@
+"""Memory budgets end to end (API.md section 11): ``Budget`` with ``apply_recompute``,
+``recompute_scope`` and ``checkpoint`` on small models.
+
+Memory is measured with the benchmarks' validated probe (``benchmarks.memory.measure``:
+bytes held after forward and peak, relative to the start of forward).
+"""
+
+import copy
+import gc
+import os
+import socket
+import subprocess
+import sys
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradient_scope
+from benchmarks.memory import measure
+from gradient_scope import Budget, apply_recompute, recompute_scope
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(self.ln(x)))
+        return x + self.fc2(F.dropout(h, 0.1, self.training))
+
+
+def make_model(layers=3, d=32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.LayerNorm(d))
+
+
+def step(model, x, seed=1, probe=False):
+    """One fwd+bwd from ``seed``; returns (held, peak or None, gradients)."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(seed)
+    gc.collect()
+    if probe:
+        _, held, peak = measure(lambda: model(x).square().sum(), lambda loss: loss.backward())
+    else:
+        model(x).square().sum().backward()
+        held = peak = None
+    grads = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    return held, peak, grads
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    model = make_model()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    held, peak, grads = step(model, x, probe=True)
+    return {"held": held, "peak": peak, "grads": grads, "x": x}
+
+
+def run_budget(budget, x, steps=3):
+    """A fresh model with ``budget``; results of each step, under the probe."""
+    model = make_model()
+    b = budget if isinstance(budget, Budget) else Budget(budget)
+    apply_recompute(model, check_fn=Block, budget=b)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = [step(model, x, seed=1, probe=True) for _ in range(steps)]
+    return b, out, [str(w.message) for w in caught]
+
+
+def test_gradients_bitwise_and_held_within_budget_at_every_budget(plain):
+    x = plain["x"]
+    b0, first, _ = run_budget(0, x, steps=1)
+    floor = b0.floor_bytes
+    unscoped = first[0][0] - floor  # what the code outside the scopes holds
+    assert floor > 0 and unscoped >= 0
+    helds, peaks = [], []
+    budgets = [
+        0,
+        floor // 2,
+        floor,
+        floor + 20_000,
+        floor + 100_000,
+        (floor + plain["held"]) // 2,
+        plain["held"],
+        10**9,
+    ]
+    for budget in budgets:
+        b, steps, _ = run_budget(budget, x)
+        for _held, _peak, grads in steps:
+            assert same(grads, plain["grads"]), budget
+        # step 1 is unplanned: it stores nothing (the floor)
+        assert steps[0][0] == first[0][0]
+        held, peak = steps[2][0], steps[2][1]
+        assert steps[1][0] == held  # planned from step 2 on, the same plan after
+        if budget >= floor:
+            assert held <= budget + unscoped, (budget, held, unscoped)
+            assert b.planned_bytes <= budget
+        assert held - unscoped == b.planned_bytes
+        helds.append(held)
+        peaks.append(peak)
+    # a larger budget never holds less nor peaks lower; a smaller one never peaks higher
+    assert helds == sorted(helds) and peaks == sorted(peaks)
+    # with room for everything nothing is recomputed, and memory is plain's plus what the
+    # records keep that plain does not (here the dropout generator states)
+    assert b.predicted_recompute == 0
+    assert plain["held"] <= helds[-1] <= plain["held"] + floor
+    assert peaks[-1] <= plain["peak"] + floor
+
+
+def test_below_the_floor_warns_once_naming_the_floor(plain):
+    b, steps, caught = run_budget("1KiB", plain["x"], steps=4)
+    floor_msgs = [m for m in caught if "below the floor" in m]
+    assert len(floor_msgs) == 1
+    assert str(b.floor_bytes) in floor_msgs[0]
+    assert all(same(g, plain["grads"]) for _, _, g in steps)
+    assert steps[-1][0] == steps[0][0]  # as close as possible: the floor
+
+
+def test_recompute_falls_and_the_planner_stores_more_as_the_budget_grows(plain):
+    x = plain["x"]
+    b_small, _, _ = run_budget(0, x, steps=2)
+    curve = b_small.curve()
+    assert curve.rows[0][0] == b_small.floor_bytes
+    costs = [c for _, c in curve.rows]
+    assert costs == sorted(costs, reverse=True) and costs[-1] == 0
+    prev = None
+    for nbytes, cost in curve.rows[:: max(1, len(curve.rows) // 4)]:
+        b, _, _ = run_budget(nbytes, x, steps=2)
+        assert b.predicted_recompute == cost
+        stored = {(s.block, s.op, s.output) for s in b.stored_ops()}
+        if prev is not None:
+            assert prev <= stored
+        prev = stored
+    text = str(curve)
+    assert "budget" in text and "recompute" in text
+
+
+def test_stored_tensors_are_not_replayed_and_replays_stop_at_them():
+    """With room for everything, backward replays nothing; the stored tensors die
+    with the graph (no gc)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    budget = Budget("1GiB")
+    scopes = []
+    for _ in range(2):
+        s = recompute_scope(budget=budget)
+        with s:
+            h = (x @ w).tanh()
+            y = (h @ w).sigmoid()
+        ref = weakref.ref(h)
+        del h
+        y.sum().backward()
+        scopes.append(s)
+    assert scopes[0].stats.tensors_packed > 0 and scopes[0].stats.replays > 0
+    assert scopes[1].stats.tensors_packed == 0 and scopes[1].stats.replays == 0
+    del y
+    assert ref() is None
+
+
+def test_fully_stored_blocks_free_what_they_read_after_backward_without_gc():
+    """A block whose saves are all stored has no handle; once autograd releases its
+    stored tensors its record goes, and with it the layer input it read (no gc)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    layers = [Block(16) for _ in range(3)]
+    budget = Budget("1GiB")
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            h = torch.randn(2, 8, 16, requires_grad=True)
+            outs = []
+            for layer in layers:
+                with recompute_scope(budget=budget):
+                    h = layer(h)
+                outs.append(StorageWeakRef(h.untyped_storage()))
+            h.sum().backward()
+            del h
+            assert all(o.expired() for o in outs)
+    finally:
+        if was:
+            gc.enable()
+    assert budget.stored_ops()
+
+
+def test_plan_cache_hit_on_step_two_and_a_new_structure_runs_unplanned_once():
+    torch.manual_seed(0)
+    layers = [Block(16) for _ in range(2)]
+    budget = Budget("10MiB")
+
+    def run(seq):
+        x = torch.randn(2, seq, 16, requires_grad=True)
+        scopes = []
+        h = x
+        for layer in layers:
+            s = recompute_scope(budget=budget)
+            with s:
+                h = layer(h)
+            scopes.append(s)
+        h.sum().backward()
+        return sum(s.stats.tensors_packed for s in scopes)
+
+    first = run(8)
+    assert first > 0
+    assert run(8) < first  # planned: some tensors stored instead of packed
+    planned = run(8)
+    assert run(12) == first  # another sequence length: a new structure, unplanned once
+    assert run(12) == planned  # then planned
+    assert run(8) == planned  # the first structure's plan is still cached
+
+
+def test_checkpoint_and_recompute_scope_share_a_budget():
+    torch.manual_seed(0)
+    layers = [Block(16) for _ in range(3)]
+    x = torch.randn(2, 8, 16, requires_grad=True)
+
+    def run(kind, budget):
+        for p in (p for m in layers for p in m.parameters()):
+            p.grad = None
+        x.grad = None
+        torch.manual_seed(3)
+        h = x
+        for layer in layers:
+            if kind == "plain":
+                h = layer(h)
+            elif kind == "checkpoint":
+                h = gradient_scope.checkpoint(layer, h, use_reentrant=False, budget=budget)
+            else:
+                with recompute_scope(budget=budget):
+                    h = layer(h)
+        h.square().sum().backward()
+        return [p.grad.clone() for m in layers for p in m.parameters()] + [x.grad.clone()]
+
+    ref = run("plain", None)
+    for kind in ("checkpoint", "scope"):
+        budget = Budget(40_000)
+        for _ in range(3):
+            assert same(run(kind, budget), ref), kind
+        assert budget.planned_bytes is not None and budget.planned_bytes <= 40_000
+        assert budget.stored_ops()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("1.5GiB", 1610612736), ("800MB", 800_000_000), ("2 gib", 2 * 2**30), ("1024", 1024), (0, 0), ("512kB", 512_000)],
+)
+def test_budget_strings_parse(value, expected):
+    assert Budget(value).bytes == expected
+
+
+@pytest.mark.parametrize("value", ["", "abc", "1.5 GiBs", "-1GB", "1e9", "GB", "1.2.3MB", "2 Gb x"])
+def test_budget_bad_strings_raise_value_error(value):
+    with pytest.raises(ValueError, match="not a size"):
+        Budget(value)
+
+
+def test_budget_bad_values():
+    with pytest.raises(ValueError, match=">= 0"):
+        Budget(-5)
+    for bad in (1.5, True, None, [1]):
+        with pytest.raises(TypeError, match="int number of bytes"):
+            Budget(bad)
+    with pytest.raises(TypeError, match="gradient_scope.Budget"):
+        recompute_scope(budget=1000)
+    with pytest.raises(ValueError, match="either save= or budget="):
+        recompute_scope(budget=Budget(10), save=gradient_scope.save_matmuls)
+    with pytest.raises(ValueError, match="not a size"):
+        apply_recompute(make_model(1), check_fn=Block, budget="lots")
+    with pytest.raises(RuntimeError, match="no step has been measured"):
+        Budget(10).curve()
+
+
+def test_curve_plot_writes_a_png(tmp_path, plain):
+    pytest.importorskip("matplotlib")
+    b, _, _ = run_budget("64KiB", plain["x"], steps=2)
+    path = tmp_path / "curve.png"
+    b.curve().plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_copies_of_a_budgeted_model_get_a_fresh_budget(plain):
+    model = make_model()
+    budget = Budget("64KiB")
+    apply_recompute(model, check_fn=Block, budget=budget)
+    step(model, plain["x"])
+    clone = copy.deepcopy(model)
+    _, _, grads = step(clone, plain["x"])
+    _, _, grads2 = step(clone, plain["x"])
+    assert same(grads2, plain["grads"]) and same(grads, plain["grads"])
+    assert clone[0].forward.options["budget"] is not budget
+    assert clone[0].forward.options["budget"].bytes == budget.bytes
+
+
+def test_compiled_code_warns_that_the_budget_is_not_applied():
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    budget = Budget("1MiB")
+
+    def f(x):
+        with recompute_scope(budget=budget):
+            h = (x @ w).tanh()
+        return (h * h).sum()
+
+    x = torch.randn(4, 8)
+    ref = torch.autograd.grad(f(x), [w])[0]
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = torch.autograd.grad(compiled(x), [w])[0]
+    msgs = [str(c.message) for c in caught if "not applied inside torch.compile" in str(c.message)]
+    assert len(msgs) == 1
+    assert torch.allclose(got, ref)
+
+
+# ------------------------------------------------------------------------- FSDP2 (gloo)
+
+WORLD = 2
+
+
+def _fsdp_worker(rank, port, outdir):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        res = {}
+        for mode in ("plain", "budget"):
+            model = make_model(layers=2, d=16)
+            budget = Budget("16KiB")
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for layer in list(model)[:2]:
+                if mode == "budget":
+                    apply_recompute(layer, budget=budget)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            gen = torch.Generator().manual_seed(10 + rank)
+            grads = []
+            for _ in range(3):
+                model.zero_grad()
+                torch.manual_seed(5 + rank)
+                model(torch.randn(2, 8, 16, generator=gen)).square().mean().backward()
+                grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
+            res[mode] = {"grads": grads, "stored": len(budget.stored_ops()), "planned": budget.planned_bytes}
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_budget_changes_only_what_is_stored(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(port), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(WORLD):
+        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        for a, b in zip(res["plain"]["grads"], res["budget"]["grads"]):
+            assert same(a, b)
+        assert res["budget"]["stored"] > 0 and res["budget"]["planned"] <= 16 * 1024
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=WORLD)
