@@ -1,7 +1,7 @@
 """Memory budgets (``gradient_scope.Budget``) against hand policies: bytes vs recompute.
 
-For each model (the benchmark GPT of ``benchmarks.model`` and the Hugging Face models of
-``benchmarks.hf_models``), every strategy runs on its own deep copy from the same weights:
+For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face models of
+``benchmarks.hf_zoo``), every strategy runs on its own deep copy from the same weights:
 
 * ``plain`` and ``plain_again`` (the A/A row: two identical runs, their time ratio is the
   noise of the timing), hand policies -- ``scope_layer`` (a scope per layer),
@@ -11,7 +11,7 @@ For each model (the benchmark GPT of ``benchmarks.model`` and the Hugging Face m
   sweep of budgets from below the floor to plain's held bytes, plus the budgets at which
   each hand policy's held bytes would be met;
 * per strategy: bytes held after forward and peak of forward+backward (the validated
-  probe, ``benchmarks.memory``), backward FLOPs (``torch.profiler`` ``with_flops=True``:
+  probe, ``benchmarks._harness.memory``), backward FLOPs (``torch.profiler`` ``with_flops=True``:
   it counts matmul-like ops run inside the unpack hook, replays included; recompute
   FLOPs = backward FLOPs - plain's), gradients vs plain (bitwise), step time as medians of
   per-round ratios to plain (interleaved rounds), and for budgets the time spent in the
@@ -43,8 +43,10 @@ from torch.profiler import ProfilerActivity, profile
 import gradient_scope
 from gradient_scope import Budget
 
-from ._common import fmt_mib, frozen_gc, interleaved_rounds, machine_info, ratio_summary
-from .memory import measure, quiet_stderr
+from ._harness.machine import machine_info
+from ._harness.memory import measure, quiet_stderr
+from ._harness.report import fmt_mib
+from ._harness.timing import frozen_gc, interleaved_rounds, ratio_summary
 
 HAND = ["scope_layer", "scope_layer_savemm", "scope_attn_mlp", "checkpoint", "sac_mm"]
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu")
@@ -63,7 +65,7 @@ class Case:
 
 
 def gpt_case(quick: bool) -> Case:
-    from .model import GPT, Block, GPTConfig, make_batch
+    from .gpt import GPT, Block, GPTConfig, make_batch
 
     cfg = (
         GPTConfig(vocab=512, seq=64, d_model=128, n_head=4, n_layer=4, batch=2)
@@ -84,7 +86,7 @@ def gpt_case(quick: bool) -> Case:
 
 
 def hf_case(name: str, quick: bool) -> Case:
-    from .hf_models import build
+    from .hf_zoo import build
 
     built = build(name, "quick" if quick else "full", 0)
     batch = built.batch
@@ -475,7 +477,7 @@ def write(results: dict[str, Any], out: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.budget", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes, GPT + gpt2 + llama, 3 rounds")
-    p.add_argument("--models", nargs="+", default=None, help="gpt and/or names of benchmarks.hf_models")
+    p.add_argument("--models", nargs="+", default=None, help="gpt and/or names of benchmarks.hf_zoo")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--points", type=int, default=None, help="budgets between the floor and plain")
     p.add_argument("--threads", type=int, default=1)

@@ -1,7 +1,7 @@
 """Memory budgets end to end (API.md section 11): ``Budget`` with ``apply_recompute``,
 ``recompute_scope`` and ``checkpoint`` on small models.
 
-Memory is measured with the benchmarks' validated probe (``benchmarks.memory.measure``:
+Memory is measured with the benchmarks' validated probe (``benchmarks._harness.memory.measure``:
 bytes held after forward and peak, relative to the start of forward).
 """
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gradient_scope
-from benchmarks.memory import measure
+from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute, recompute_scope
 
 
