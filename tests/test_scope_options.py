@@ -14,7 +14,7 @@ import torch.nn as nn
 import gradient_scope
 from gradient_scope import apply_recompute, checkpoint, recompute, recompute_scope
 
-OPTIONS = ["preserve_rng_state", "save", "enabled", "debug"]
+OPTIONS = ["preserve_rng_state", "save", "enabled", "debug", "budget"]
 
 
 def test_signature_shows_the_options():
