@@ -31,7 +31,7 @@ import torch
 
 from ._registry import Entry, Ledger, on_death, tensor_of
 from ._stats import ScopeStats
-from ._torch_compat import alias_in_dispatch, neg_view
+from ._torch_compat import alias_in_dispatch, neg_view, set_version
 
 __all__ = [
     "Var",
@@ -218,10 +218,20 @@ class ViewSpec:
         return ViewSpec(view, base)
 
     def apply(self, base: Tensor) -> Tensor:
+        """The view on ``base``: a tensor that shares its version counter (P4 in
+        ``_replay``: a consumer's write through it must be seen), but is no autograd
+        view of it; for a dtype view, or a base with conj/neg bits, a copy of the
+        storage (the same layout: kernels' bits may depend on it)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         offset = (base.storage_offset() * base.element_size() + self.delta) // itemsize
-        v = torch.empty(0, dtype=self.dtype, device=base.device)
-        v.set_(base.untyped_storage(), offset, self.size, self.stride)
+        if self.dtype == base.dtype and not base.is_conj() and not base.is_neg():
+            version = base._version
+            v = base.detach()
+            v.set_(base.untyped_storage(), offset, self.size, self.stride)
+            set_version(v, version)  # set_ bumped the counter it shares with base
+        else:
+            v = torch.empty(0, dtype=self.dtype, device=base.device)
+            v.set_(base.untyped_storage().clone(), offset, self.size, self.stride)
         if self.conj:
             v = v.conj()
         if self.neg:

@@ -25,7 +25,12 @@ P4. Within one backward pass each op runs at most once: values that other
     pending handles of the block will ask for (their own values, and the values
     their replays will read) are cached, each entry held by at least one
     pending handle; the cache is dropped when no pending handle is left or the
-    pass ends.
+    pass ends. A served value is not copied, so its consumer may write into it (a
+    custom backward using its saved tensor as scratch): each entry keeps the
+    version it was cached at; a written entry is rebuilt for the values derived
+    from it, and for a handle of the written tensor itself raises PyTorch's
+    in-place error, as autograd would. A view is handed out sharing its base's
+    version counter (``ViewSpec.apply``).
 P5. Every replayed output is checked against forward's shape, dtype and device
     (and values with ``debug=True``); a mismatch raises :class:`RecomputeError`.
 P6. An outside tensor the block read must be unchanged: same version and same
@@ -138,19 +143,24 @@ class _Pass:
     """Replay state of one block within one backward pass (P4). Pending handles are
     held weakly; a handle that dies unserved releases what it held (``dropped``)."""
 
-    __slots__ = ("task", "cache", "refs", "holds", "pending")
+    __slots__ = ("task", "cache", "versions", "refs", "holds", "pending")
 
     def __init__(self, task: int, pending: dict[int, weakref.ref[Handle]]) -> None:
         self.task = task
-        # Values keyed by (var, number of its group's writes applied).
+        # Values keyed by (var, number of its group's writes applied), with the version
+        # each had when cached: a consumer may write into a value it was handed (a
+        # custom backward using its saved tensor as scratch), and the cache must see it.
         self.cache: dict[tuple[Var, int], Tensor] = {}
+        self.versions: dict[tuple[Var, int], int] = {}
         self.refs: dict[tuple[Var, int], int] = {}  # holders of each entry
         # id(handle) -> the keys it holds; an id leaves before its handle dies.
         self.holds: dict[int, list[tuple[Var, int]]] = {}
         self.pending = dict(pending)  # id(handle) -> handle, not served in this pass yet
 
     def hold(self, h: Handle, key: tuple[Var, int], value: Tensor) -> None:
-        self.cache[key] = value
+        if self.cache.get(key) is not value:
+            self.cache[key] = value
+            self.versions[key] = value._version
         self.holds.setdefault(id(h), []).append(key)
         self.refs[key] = self.refs.get(key, 0) + 1
 
@@ -166,6 +176,17 @@ class _Pass:
             else:
                 del self.refs[key]
                 self.cache.pop(key, None)
+                self.versions.pop(key, None)
+
+    def written(self, key: tuple[Var, int]) -> bool:
+        """Whether the cached value of ``key`` was written since it was cached."""
+        return self.cache[key]._version != self.versions[key]
+
+    def drop_written(self) -> None:
+        """Forget cached values written since they were cached: replay rebuilds them."""
+        for key in [k for k in self.cache if self.written(k)]:
+            del self.cache[key]
+            del self.versions[key]
 
 
 class ReplayState:
@@ -237,10 +258,14 @@ class ReplayState:
             if ps is None:
                 with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
                     return replay(record, self.derived, var, _with_stored(self.stored, {}), ())[0]
-            cached = ps.cache.get((var, len(var.root.writes)))
+            key = (var, len(var.root.writes))
+            cached = ps.cache.get(key)
             if cached is not None:
+                if ps.written(key):  # the same tensor, written by an earlier consumer
+                    raise inplace_error(var.describe(), h.version, cached._version - ps.versions[key] + h.version)
                 self._served(ps, h)
                 return cached
+            ps.drop_written()
             with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
                 cache = _with_stored(self.stored, ps.cache)
                 value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h))

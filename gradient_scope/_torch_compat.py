@@ -61,6 +61,7 @@ __all__ = [
     "remove_function_mode_from_under",
     "SEEDED_TAG",
     "profiler_range",
+    "set_version",
 ]
 
 OpOverload = torch._ops.OpOverload
@@ -327,3 +328,9 @@ def profiler_range(name: str) -> Any:
     """A context manager marking ``name`` in profiler traces while a profiler
     runs; otherwise a no-op (one flag read)."""
     return _RecordFunctionFast(name) if _profiler_enabled() else contextlib.nullcontext()
+
+
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set the value of ``t``'s version counter, shared with its aliases
+    (``torch/autograd/grad_mode.py``: ``_unsafe_preserve_version_counter`` uses it)."""
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))

@@ -1,0 +1,149 @@
+"""Custom ``autograd.Function`` backwards that write into the tensors they unpack.
+
+Fused-loss and memory-saving kernels reuse a saved tensor as scratch
+(``t.mul_(0).add_(...)``). Autograd hands each unpack its own saved tensor; a
+replay that serves several handles from one computed value must notice such a
+write and never rebuild another handle's value from the written one (P4).
+"""
+
+import pytest
+import torch
+from conftest import PlainScopes, Scopes, assert_all_same, grads
+from torch.utils.checkpoint import checkpoint
+
+
+class ScratchBackward(torch.autograd.Function):
+    """y = 2 x; the backward overwrites its saved input with the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return t.mul_(0).add_(g * 2)
+
+
+class ScratchSavedIntermediate(torch.autograd.Function):
+    """y = exp(x) * 3, saving exp(x) (made in forward) and writing it in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        e = x.exp()
+        ctx.save_for_backward(e)
+        return e * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return e.mul_(g).mul_(3)
+
+
+def _forward_frontier(scope, a, w, view):
+    # Scratch runs first in backward (made last); exp's saved output is rebuilt from
+    # x, which the replay for Scratch's handle also made.
+    with scope():
+        x = a * 3
+        e = x.exp()
+    xs = x.t() if view else x
+    return (e * w).sum() + ScratchBackward.apply(xs).sum()
+
+
+def _leaves():
+    return torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["tensor", "view_after_block"])
+def test_write_to_unpacked_tensor_does_not_reach_other_handles(view):
+    def program(scope):
+        a, w = _leaves()
+        _forward_frontier(scope, a, w, view).backward()
+        return grads({"a": a, "w": w})
+
+    torch.manual_seed(0)
+    expected = program(PlainScopes())
+    torch.manual_seed(0)
+    actual = program(Scopes())
+    assert_all_same(actual, expected)
+
+    # torch.utils.checkpoint gives the same gradients.
+    torch.manual_seed(0)
+    a, w = _leaves()
+    loss = checkpoint(lambda a, w: _forward_frontier(PlainScopes(), a, w, view), a, w, use_reentrant=False)
+    loss.backward()
+    assert_all_same(grads({"a": a, "w": w}), expected)
+
+
+def test_intermediate_saved_by_forward_written_by_backward():
+    # The Function's own forward ops are recorded into the block (R3); its saved
+    # exp(x) is a block tensor, and so is the copy of exp(x) read after it.
+    def program(scope):
+        a, w = _leaves()
+
+        def fwd():
+            with scope():
+                x = a * 3
+                y = ScratchSavedIntermediate.apply(x)
+                e = x.exp()
+            return (e * w).sum() + y.sum()
+
+        fwd().backward()
+        return grads({"a": a, "w": w})
+
+    torch.manual_seed(0)
+    expected = program(PlainScopes())
+    torch.manual_seed(0)
+    actual = program(Scopes())
+    assert_all_same(actual, expected)
+
+
+def test_second_unpack_of_the_written_tensor_raises_as_plain():
+    # Two saves of the same tensor: the second unpack sees the first backward's write.
+    # PyTorch raises its in-place error; so must the scope (never the rebuilt value of
+    # a tensor that autograd would hand back written).
+    def program(scope):
+        a, _ = _leaves()
+
+        def fwd():
+            with scope():
+                x = a * 3
+            return x.sin().sum() + ScratchBackward.apply(x).sum()
+
+        fwd().backward()
+
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        program(PlainScopes())
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        program(Scopes())
+
+
+def test_served_value_is_not_copied():
+    # The common path hands out the replayed value itself (no defensive copy): two
+    # handles of one tensor unpacked in one pass get the same storage.
+    seen = []
+
+    class Peek(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors
+            seen.append(t.data_ptr())
+            return g
+
+    a, _ = _leaves()
+
+    def fwd():
+        with Scopes()():
+            x = a * 3
+        return Peek.apply(x).sum() + Peek.apply(x).sum()
+
+    fwd().backward()
+    assert len(seen) == 2 and seen[0] == seen[1]
