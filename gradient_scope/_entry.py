@@ -1,6 +1,6 @@
 """How one op of an open block becomes an entry (an ``OpRecord``) of its record.
 
-RULES R1..R8: what a recording keeps.
+RULES R1..R9: what a recording keeps.
 
 R1. A block never holds a tensor whose storage it wrote to: an Input written
     by the block is replaced by a private copy of its value before the first
@@ -27,6 +27,12 @@ R8. Jagged nested tensors are not block tensors (autograd stores them): each
     meet the gradients forward's size flows into. Ops that read one are not
     recorded either (the record never holds one: it holds its block's tensors).
     The tensors they are built from stay recomputable.
+R9. Each op is recorded with the numeric context it ran under (the global flags
+    its result may depend on: ``_torch_compat.numeric_context``). It is read when
+    the block opens and when a nested scope enters, and re-read before ops that
+    read such flags (``OpFacts.context``) and before ops with a Python float or
+    complex argument (type promotion reads the default dtype); a change starts a
+    new entry of the record's ``contexts``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from ._ops import INPLACE, NEW, VIEW, OpFacts
 from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
 from ._registry import _LIVE, Ledger, register
 from ._subclass import data_address, data_tensors, is_wrapper
-from ._torch_compat import current_graph_task
+from ._torch_compat import current_graph_task, numeric_context
 
 __all__ = ["OpenBlock", "Unrecordable", "run_unrecorded"]
 
@@ -106,6 +112,7 @@ class OpenBlock:
         "inputs",
         "counted",
         "unsettled",
+        "context",
     )
 
     def __init__(self, record: BlockRecord, owner: BlockOwner, frame: Frame, lg: Ledger) -> None:
@@ -121,6 +128,20 @@ class OpenBlock:
         self.counted = 0  # ops already counted into some frame's stats
         # Writes of the last op, whose versions are not bumped yet (R6).
         self.unsettled: list[tuple[Group, Tensor, int]] = []
+        self.context = numeric_context()  # R9: the context of the ops recorded now
+        record.contexts.append((len(record.ops), self.context))
+
+    def note_context(self) -> None:
+        """R9: re-read the numeric context; a change applies from the next op on."""
+        ctx = numeric_context()
+        if ctx != self.context:
+            self.context = ctx
+            contexts = self.record.contexts
+            index = len(self.record.ops)
+            if contexts[-1][0] == index:
+                contexts[-1] = (index, ctx)
+            else:
+                contexts.append((index, ctx))
 
     # -- nested scopes
 
@@ -135,6 +156,7 @@ class OpenBlock:
         self.frames.append(frame)
         self.starts.append(len(self.record.ops))
         self.frame = frame
+        self.note_context()
 
     def pop(self, aborted: bool) -> None:
         self._count()
@@ -191,6 +213,8 @@ class OpenBlock:
     def run_and_record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
+        if f.context or _has_float(args):
+            self.note_context()
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
@@ -330,6 +354,13 @@ def _note_escaped(record: BlockRecord) -> None:
         alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
         if len(alive) > 1:
             record.escaped[root] = alive
+
+
+def _has_float(args: tuple[Any, ...]) -> bool:
+    for a in args:
+        if type(a) is float or type(a) is complex:
+            return True
+    return False
 
 
 def _has_tensor(seq: Any) -> bool:

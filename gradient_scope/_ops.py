@@ -66,6 +66,19 @@ _META_ONLY = frozenset(
 )
 
 
+# Ops whose results depend on global flags (oneDNN / cuDNN on or off, TF32 and
+# matmul precision, deterministic algorithms, filling uninitialised memory): the
+# recorder re-reads the numeric context before recording one (substrings of the
+# aten name; R9 in ``_entry``). Over-inclusion costs a few microseconds per op,
+# never correctness.
+_CONTEXT_OPS = (
+    "conv", "mm", "matmul", "linear", "addmv", "mv", "dot", "addr", "einsum", "rnn", "lstm", "gru",
+    "attention", "sdp", "index_put", "index_add", "index_copy", "index_reduce", "scatter", "put",
+    "cumsum", "cumprod", "empty", "resize", "histc", "bincount", "kthvalue", "median", "nll_loss",
+    "embedding", "ctc", "upsample", "pool", "grid_sampler", "batch_norm", "_scaled", "tensordot",
+)  # fmt: skip
+
+
 AliasSets = list[tuple[frozenset[str], bool]]
 
 
@@ -106,6 +119,7 @@ class OpFacts:
         "meta_only",
         "dtype_arg",
         "fast",
+        "context",
         "scratch",
         "loose",
         "kernel",
@@ -126,6 +140,7 @@ class OpFacts:
         # Its outputs alias an argument with version counters of their own.
         self.loose = schema.name in _HIDDEN_VIEWS
         self.meta_only = aten and (short in _META_ONLY or short.startswith("randint_like"))
+        self.context = not aten or any(k in short for k in _CONTEXT_OPS)
 
         args, outs = _alias_sets(func)
         # Where each schema argument arrives: a position, or a keyword if kwarg-only.
@@ -158,6 +173,7 @@ class OpFacts:
             and not self.never_replay
             and not self.meta_only
             and not self.dtype_arg
+            and not self.context
         )
 
     def out_kind(self, i: int) -> int:

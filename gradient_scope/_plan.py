@@ -23,7 +23,7 @@ from ._errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_erro
 from ._record import BlockRecord, Input, OpRecord, Ref, Var, live_value
 from ._structure import Fill, Program, Slots, Structure, structure_of
 from ._subclass import data_storage_id, storage_freed
-from ._torch_compat import without_autocast
+from ._torch_compat import NumericContext, numeric_context, set_numeric_context, without_autocast
 
 __all__ = ["Derived", "op_refs", "replay", "same_values", "add_freed_storage_handler"]
 
@@ -207,8 +207,9 @@ def _run(
     debug_values = record.debug_values
     produced: dict[int, Tensor] = {}
     result: Tensor | None = None
-    with without_autocast():
+    with without_autocast(), _Contexts(record.contexts) as contexts:
         for i, outputs, frees in program.steps:
+            contexts.at(i)
             rec = ops[i]
             func, rng = rec.func, rec.rng
             simple = positional[i]
@@ -260,6 +261,37 @@ _FAILED = (
     "block seeing it, or the op cannot run twice. Fix: keep its output with save=[...] or move it "
     "out of the recompute_scope."
 )
+
+
+class _Contexts:
+    """R9 (``_entry``) at replay: each op runs under the numeric context it was
+    recorded in; the ambient context is restored on exit, also when replay raises."""
+
+    __slots__ = ("contexts", "j", "ambient", "current")
+
+    def __init__(self, contexts: list[tuple[int, NumericContext]]) -> None:
+        self.contexts = contexts
+        self.j = 0
+
+    def __enter__(self) -> _Contexts:
+        self.ambient = self.current = numeric_context()
+        return self
+
+    def at(self, i: int) -> None:
+        """Enter the context of op ``i`` (ops come in increasing order)."""
+        cs, j = self.contexts, self.j
+        while j + 1 < len(cs) and cs[j + 1][0] <= i:
+            j += 1
+        self.j = j
+        ctx = cs[j][1] if cs else self.ambient
+        if ctx is not self.current:
+            if ctx != self.current:
+                set_numeric_context(ctx)
+            self.current = ctx
+
+    def __exit__(self, *exc: object) -> None:
+        if self.current is not self.ambient and self.current != self.ambient:
+            set_numeric_context(self.ambient)
 
 
 def _load(r: Ref, func: Any, cache: dict[Key, Tensor]) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from ._registry import Entry, Ledger, on_death, tensor_of
 from ._stats import ScopeStats
-from ._torch_compat import alias_in_dispatch, neg_view, set_version
+from ._torch_compat import NumericContext, alias_in_dispatch, neg_view, set_version
 
 __all__ = [
     "Var",
@@ -307,11 +307,14 @@ class Frame:
 class BlockRecord:
     """The record of one block. ``ops`` only grows while ``open``; then never changes."""
 
-    __slots__ = ("ops", "open", "debug_values", "scratch", "loose", "escaped", "__weakref__")
+    __slots__ = ("ops", "open", "contexts", "debug_values", "scratch", "loose", "escaped", "__weakref__")
 
     def __init__(self) -> None:
         self.ops: list[OpRecord] = []
         self.open = True
+        # (first op index, numeric context) from where each context applies, in op
+        # order: the global flags the ops' results depend on (R9 in ``_entry``).
+        self.contexts: list[tuple[int, NumericContext]] = []
         self.debug_values: dict[Var, Tensor] = {}  # debug=True: what forward computed
         self.scratch: set[Var] = set()  # debug=True: kernel scratch outputs, never compared
         # Storage groups with members that have version counters of their own

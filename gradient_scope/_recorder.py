@@ -26,6 +26,7 @@ from ._torch_compat import (
     TorchDispatchMode,
     current_dispatch_mode,
     current_graph_task,
+    default_dtype,
     in_compiled_code,
     remove_mode_from_under,
     skip_dynamo,
@@ -83,6 +84,8 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         elif type(a) is list or type(a) is tuple:
             return block.run_and_record(func, f, args, NO_KWARGS)
         else:
+            if (type(a) is float or type(a) is complex) and default_dtype() is not block.context[0]:
+                block.note_context()  # R9: type promotion reads the default dtype
             rargs.append(a)
     out = f.kernel(*args)
     ops = block.record.ops

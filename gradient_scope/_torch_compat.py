@@ -17,6 +17,7 @@ to fail with a message that names the torch floor.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -62,6 +63,10 @@ __all__ = [
     "SEEDED_TAG",
     "profiler_range",
     "set_version",
+    "NumericContext",
+    "numeric_context",
+    "set_numeric_context",
+    "default_dtype",
 ]
 
 OpOverload = torch._ops.OpOverload
@@ -334,3 +339,111 @@ def set_version(t: torch.Tensor, version: int) -> None:
     """Set the value of ``t``'s version counter, shared with its aliases
     (``torch/autograd/grad_mode.py``: ``_unsafe_preserve_version_counter`` uses it)."""
     torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+
+
+# ---------------------------------------------------------------- numeric context
+# Global flags an op's result depends on: which kernel runs (oneDNN, cuDNN), at
+# which precision (TF32, float32 matmul precision, reduced-precision reductions),
+# whether it is deterministic, and the default dtype that type promotion of
+# Python scalars reads. Replay runs each op under the flags it ran under.
+
+_C = torch._C
+
+
+def _flag(name: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    get, set_ = getattr(_C, f"_get_{name}", None), getattr(_C, f"_set_{name}", None)
+    return None if get is None or set_ is None else (get, set_)
+
+
+def _legacy(name: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    """A flag of the legacy precision API: its getter raises once the new
+    ``fp32_precision`` API was used alongside it (then None: the new API's values,
+    also in the context, say it all)."""
+    pair = _flag(name)
+    if pair is None:
+        return None
+    get, set_ = pair
+
+    def get_or_none() -> Any:
+        try:
+            return get()
+        except RuntimeError:
+            return None
+
+    def set_unless_none(v: Any) -> None:
+        if v is not None:
+            set_(v)
+
+    return get_or_none, set_unless_none
+
+
+def _fp32(backend: str, op: str) -> tuple[Callable[[], Any], Callable[[Any], None]] | None:
+    get, set_ = getattr(_C, "_get_fp32_precision_getter", None), getattr(_C, "_set_fp32_precision_setter", None)
+    if get is None or set_ is None:
+        return None
+    try:
+        get(backend, op)
+    except RuntimeError:
+        return None
+    return functools.partial(get, backend, op), functools.partial(set_, backend, op)
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return _C._get_deterministic_algorithms(), _C._get_deterministic_algorithms_warn_only()
+
+
+def _set_deterministic(v: tuple[bool, bool]) -> None:
+    _C._set_deterministic_algorithms(v[0], warn_only=v[1])
+
+
+# (getter, setter) pairs, set in this order: a later flag may be derived from an
+# earlier one (``set_float32_matmul_precision`` sets the fp32 precisions below it).
+_CONTEXT: list[tuple[Callable[[], Any], Callable[[Any], None]]] = [
+    p
+    for p in (
+        (_C.get_default_dtype, _C._set_default_dtype),
+        (_deterministic, _set_deterministic),
+        *(
+            _flag(n)
+            for n in (
+                "mkldnn_enabled",
+                "mkldnn_deterministic",
+                "cudnn_enabled",
+                "cudnn_deterministic",
+                "cudnn_benchmark",
+                "deterministic_fill_uninitialized_memory",
+                "cpu_allow_fp16_reduced_precision_reduction",
+                "cublas_allow_fp16_reduced_precision_reduction",
+                "cublas_allow_bf16_reduced_precision_reduction",
+                "cublas_allow_fp16_accumulation",
+            )
+        ),
+        *(_legacy(n) for n in ("float32_matmul_precision", "cublas_allow_tf32", "cudnn_allow_tf32")),
+        *(_fp32(b, o) for b, o in (("generic", "all"), ("mkldnn", "all"), ("cuda", "all"))),
+        *(_fp32(b, o) for b in ("mkldnn", "cuda") for o in ("matmul", "conv", "rnn")),
+    )
+    if p is not None
+]
+_CONTEXT_GETTERS = tuple(g for g, _ in _CONTEXT)
+
+#: The numeric context: one value per flag of ``_CONTEXT``; index 0 is the default dtype.
+NumericContext = tuple[Any, ...]
+
+
+def numeric_context() -> NumericContext:
+    """The current value of every global flag an op's result may depend on."""
+    return tuple([g() for g in _CONTEXT_GETTERS])
+
+
+def set_numeric_context(ctx: NumericContext) -> None:
+    """Set the flags of ``ctx`` that differ from the current ones."""
+    for _ in range(2):  # derived flags: a second pass settles what the first changed
+        for (get, set_), want in zip(_CONTEXT, ctx):
+            if get() != want:
+                set_(want)
+        if numeric_context() == ctx:
+            return
+
+
+#: The default dtype (what type promotion of a Python float reads).
+default_dtype: Callable[[], torch.dtype] = _C.get_default_dtype
