@@ -23,7 +23,7 @@ from ._errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_erro
 from ._record import BlockRecord, Input, OpRecord, Ref, Var, live_value
 from ._structure import Fill, Program, Slots, Structure, structure_of
 from ._subclass import data_storage_id, storage_freed
-from ._torch_compat import NumericContext, numeric_context, set_numeric_context, without_autocast
+from ._torch_compat import NumericContext, numeric_context, set_numeric_context, storage_id, without_autocast
 
 __all__ = ["Derived", "op_refs", "replay", "same_values", "add_freed_storage_handler"]
 
@@ -51,6 +51,13 @@ def same_values(a: Tensor, b: Tensor) -> bool:
     return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True))
 
 
+def _same_storage(r: Input, src: Tensor) -> bool:
+    """Whether ``src`` still has the storage the block read it with (P6)."""
+    if r.storage is not None:  # a wrapper whose alias has its own placeholder storage
+        return storage_id(src) == r.storage._cdata  # type: ignore[no-any-return]
+    return data_storage_id(src) == data_storage_id(r.tensor)
+
+
 def _input_value(r: Input, func: Any) -> Tensor:
     """An outside tensor's value as the block read it (P6), or a RecomputeError."""
     t = r.tensor
@@ -76,7 +83,7 @@ def _input_value(r: Input, func: Any) -> Tensor:
             f"{r.version} -> {t._version}) and before backward. " + (WEIGHT_UPDATE if weight else INPUT_WRITTEN)
         )
     src = r.source()
-    if src is not None and t.layout == torch.strided and data_storage_id(src) != data_storage_id(t):
+    if src is not None and t.layout == torch.strided and not _same_storage(r, src):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, was given another "

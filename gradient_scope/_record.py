@@ -31,6 +31,7 @@ import torch
 
 from ._registry import Entry, Ledger, on_death, tensor_of
 from ._stats import ScopeStats
+from ._subclass import own_storage
 from ._torch_compat import NumericContext, alias_in_dispatch, neg_view, set_version
 
 __all__ = [
@@ -143,11 +144,14 @@ class Input:
     private copy (R1, or an inference tensor, which has no version counter).
     """
 
-    __slots__ = ("tensor", "source", "version", "snapshot", "writes")
+    __slots__ = ("tensor", "source", "version", "snapshot", "writes", "storage")
 
     def __init__(self, t: Tensor) -> None:
         self.tensor = alias_in_dispatch(t)
         self.source = weakref.ref(t)
+        # A wrapper subclass whose alias has a storage of its own: the storage the
+        # source had when read (a swap is a change of it); else None.
+        self.storage = own_storage(t)
         self.snapshot = False
         self.writes: list[Write] | tuple[()] = ()
         self.version: int | None

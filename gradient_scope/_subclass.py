@@ -24,6 +24,7 @@ __all__ = [
     "storage_freed",
     "data_storage_id",
     "data_address",
+    "own_storage",
 ]
 
 #: The tensor types that are never wrappers.
@@ -84,3 +85,18 @@ def data_address(t: torch.Tensor) -> int | None:
     except (RuntimeError, NotImplementedError):
         return None
     return storage.data_ptr() if storage.nbytes() else None
+
+
+def own_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """For a subclass whose aliases do not share its storage (a wrapper made with
+    ``_make_wrapper_subclass`` that does not say where its data is: each
+    ``detach()`` is a new wrapper with a placeholder storage of its own), that
+    storage, to be kept: ``t`` was given another one exactly when
+    ``t.untyped_storage()`` is no longer it. None for every other tensor (its
+    aliases share its storage, or its inner tensors' for a traceable wrapper)."""
+    if type(t) in PLAIN or is_traceable_wrapper_subclass(t) or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
