@@ -1,6 +1,6 @@
 """How one op of an open block becomes an entry (an ``OpRecord``) of its record.
 
-RULES R1..R9: what a recording keeps.
+RULES R1..R10: what a recording keeps.
 
 R1. A block never holds a tensor whose storage it wrote to: an Input written
     by the block is replaced by a private copy of its value before the first
@@ -33,6 +33,13 @@ R9. Each op is recorded with the numeric context it ran under (the global flags
     read such flags (``OpFacts.context``) and before ops with a Python float or
     complex argument (type promotion reads the default dtype); a change starts a
     new entry of the record's ``contexts``.
+R10. A block tensor read at another version than the record can rebuild (a
+    write the recorder did not see: a compiled function called in the block
+    (R7), another thread) is read as an Input from then on: its value is kept,
+    as for a tensor from outside. Its storage group gets a write that cannot be
+    replayed, so that values saved before it raise instead of being rebuilt
+    without it, and later saves of it are stored. Checked at every recorded read
+    and, for the block's live tensors, when the block closes.
 """
 
 from __future__ import annotations
@@ -176,6 +183,7 @@ class OpenBlock:
         self.settle()
         self._count()
         record = self.record
+        self._note_unseen()
         _note_escaped(record)
         record.open = False
         self.inputs = _Inputs()
@@ -183,6 +191,27 @@ class OpenBlock:
             _registry.forget(self.record.vars())
 
     # -- arguments
+
+    def unseen(self, var: Var, t: Tensor) -> Input | None:
+        """R10: ``t`` (the tensor of ``var``, at another version than ``var`` was made
+        at) as a new Input if a write the record cannot replay changed it, else None."""
+        root = var.root
+        writes = root.writes
+        if t._version == (writes[-1][1] if writes else var.version) or root in self.record.loose:
+            return None
+        if not writes or writes[-1][1] is not None:
+            self._add_write(root, len(self.record.ops), None)
+        return self.inputs.of(t, None)
+
+    def _note_unseen(self) -> None:
+        """R10 at block exit: the block's live tensors written unseen since their
+        last recorded read (values saved before such a write must not be rebuilt)."""
+        for rec in self.record.ops:
+            for var in rec.outs:
+                if var is not None:
+                    t = _registry.tensor_of(var)
+                    if t is not None and not t.is_inference() and t._version != var.version:
+                        self.unseen(var, t)
 
     def refs(self, args: tuple[Any, ...] | list[Any]) -> list[Any]:
         """The recorded form of positional arguments: Vars, Inputs, plain values."""
@@ -193,7 +222,9 @@ class OpenBlock:
             if isinstance(a, Tensor):
                 e = live_get(id(a))
                 if e is not None and e.frame.owner is owner and e() is a:
-                    out.append(e)
+                    var: Var = e  # type: ignore[assignment]  # this block's entries are Vars
+                    t: Tensor = a  # type: ignore[assignment]  # (narrowed by `e() is a`)
+                    out.append(var if _version(t) == var.version else (self.unseen(var, t) or var))
                 else:
                     out.append(self.inputs.of(a, e))
             elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
@@ -205,7 +236,8 @@ class OpenBlock:
     def ref(self, t: Tensor) -> Ref:
         e = _LIVE.get(id(t))
         if e is not None and e.frame.owner is self.owner and e() is t:
-            return e  # type: ignore[return-value]
+            var: Var = e  # type: ignore[assignment]
+            return var if _version(t) == var.version else (self.unseen(var, t) or var)
         return self.inputs.of(t, e)
 
     # -- ops
@@ -275,13 +307,15 @@ class OpenBlock:
         """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
         out: list[tuple[Group, Tensor]] = []
         for w in f.writes:
-            t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
-            if not isinstance(t, Tensor):
-                continue
-            root = self.ref(t).root
-            if isinstance(root, Input) and not root.snapshot:
-                self.inputs.before_write(root)
-            out.append((root, t))
+            a = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+            # A Tensor[] argument (``_foreach_mul_``) writes each of its tensors.
+            for t in (a,) if isinstance(a, Tensor) else a if type(a) is list or type(a) is tuple else ():
+                if not isinstance(t, Tensor):
+                    continue
+                root = self.ref(t).root
+                if isinstance(root, Input) and not root.snapshot:
+                    self.inputs.before_write(root)
+                out.append((root, t))
         return out
 
     @staticmethod

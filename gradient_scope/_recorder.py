@@ -4,7 +4,7 @@ The recorder exists only while a block is open in a thread. It hands each op
 to the innermost open block's :class:`~gradient_scope._entry.OpenBlock`,
 which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
 block's ``BlockRecord`` (see ``_record``); the op list never changes once the
-block is closed. The rules a recording keeps (R1..R8) are in ``_entry``.
+block is closed. The rules a recording keeps (R1..R10) are in ``_entry``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,13 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         if isinstance(a, Tensor):
             e = _LIVE_GET(id(a))
             if e is not None and e.frame.owner is owner and e() is a:
-                rargs.append(e)
+                var: Var = e  # type: ignore[assignment]  # this block's entries are Vars
+                t: Tensor = a  # type: ignore[assignment]  # (narrowed by `e() is a`)
+                try:
+                    same = t._version == var.version
+                except RuntimeError:  # an inference tensor: no version counter, never written
+                    same = True
+                rargs.append(var if same else (block.unseen(var, t) or var))  # R10
             else:
                 try:
                     rargs.append(block.inputs.of(a, e))
