@@ -147,3 +147,43 @@ def test_served_value_is_not_copied():
 
     fwd().backward()
     assert len(seen) == 2 and seen[0] == seen[1]
+
+
+class ScratchPair(torch.autograd.Function):
+    """a * b, saving both; the backward writes both (they may be one tensor)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = b.mul_(g)
+        gb = a.mul_(g)
+        return ga, gb
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+def test_two_saves_of_one_tensor_share_storage_as_in_plain(debug):
+    # Plain autograd hands both unpacks the same storage, so the backward's writes
+    # compound; the scope's two handles must get one value too (with debug=True as
+    # well, where the tensor is kept alive for the comparison but still replayed).
+    def program(scope):
+        a0, w = _leaves()
+
+        def fwd():
+            with scope():
+                a = a0 * 0.5
+                y = ScratchPair.apply(a, a)
+            return (y * w).sum()
+
+        fwd().backward()
+        return grads({"a0": a0, "w": w})
+
+    torch.manual_seed(0)
+    expected = program(PlainScopes())
+    torch.manual_seed(0)
+    actual = program(Scopes(debug=debug))
+    assert_all_same(actual, expected)
