@@ -55,11 +55,17 @@ class RecomputeError(RuntimeError):
     where the block was entered (``file.py:line`` of the ``with`` or of the
     decorated call; the module path for :func:`apply_recompute` blocks, the
     function for :func:`checkpoint` blocks), and the likely cause with its
-    fix. Gradients are never silently wrong for writes PyTorch can see (its
-    version counter, storage swaps): when replay cannot reproduce what forward
-    computed, this error is raised instead. Writes that bypass the version
-    counter (``.data``, NumPy, ``untyped_storage()``) are seen only with
-    ``recompute_scope(debug=True)``.
+    fix. Gradients are never silently wrong for every write PyTorch can see --
+    its version counter and storage swaps (``tensor.data = ...``, ``set_()``):
+    when replay cannot reproduce what forward computed, the tensor is stored
+    instead, or this error is raised. Writes that bypass both are seen only
+    with ``recompute_scope(debug=True)``, which compares every recomputed value
+    with forward's: writes through ``.data``, a NumPy array (``.numpy()``,
+    ``torch.from_numpy``) or ``untyped_storage()``; fused optimizer steps
+    (``Adam``/``AdamW``/``SGD(fused=True)``, which on CPU do not bump the
+    version) between forward and backward; a storage ``resize_`` round trip;
+    and, with ``preserve_rng_state=False``, random ops, which then replay with
+    the current random state.
 
     Example::
 

@@ -70,7 +70,9 @@ class recompute_scope:
     Every tensor created inside the block is *recomputable*: wherever autograd
     would save it for backward, inside the block or after it, a small handle is
     saved instead and the value is recomputed from the recorded ops when
-    backward needs it. Gradients equal those of the same code without the scope.
+    backward needs it. Gradients equal those of the same code without the scope,
+    or :class:`RecomputeError` is raised; writes that bypass PyTorch's version
+    counter are seen only with ``debug=True`` (see :class:`RecomputeError`).
 
     Args:
         preserve_rng_state: replay every random op with the random numbers it
@@ -80,7 +82,13 @@ class recompute_scope:
             callable ``save(op) -> bool``.
         enabled: False makes the block a plain no-op block.
         debug: compare each recomputed value with what forward computed and
-            raise :class:`RecomputeError` naming the op on a mismatch.
+            raise :class:`RecomputeError` naming the op on a mismatch. Without
+            it, recomputation is never silently wrong for the writes PyTorch can
+            see (version counter, storage swaps); ``debug=True`` also catches the
+            writes that bypass them: ``.data``, NumPy, ``untyped_storage()``,
+            fused optimizer steps, a storage ``resize_`` round trip, and random
+            ops with ``preserve_rng_state=False`` (see :class:`RecomputeError`).
+            On CUDA values are compared within float tolerance.
         budget: a :class:`Budget` shared by several scopes: the library decides
             what the blocks store to stay within it (not with ``save=``; ignored
             in a scope nested in another one and inside compiled code).
