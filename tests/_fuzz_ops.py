@@ -1,7 +1,8 @@
 """The op vocabulary of the differential fuzzer (``test_fuzz_differential.py``): a pool of
 4x4 tensors, real and complex (``Ctx``), and ops ``name -> f(ctx, i, j, k)`` that each
 append at most one tensor to it -- elementwise, matmul, reductions, multi-output ops,
-views of every kind, in-place ops, random ops and modules (``OPS``, sampled through
+views of every kind, in-place ops, random ops, modules and custom Functions whose backward
+writes its saved tensors (``OPS``, sampled through
 ``OP_NAMES``).
 """
 
@@ -402,6 +403,71 @@ def _drop_block(ctx: Ctx, i: int, j: int, k: int) -> None:
         ctx.pool[n] = None
 
 
+class _ScratchInput(torch.autograd.Function):
+    """2 x; backward reuses its saved input as scratch (fused-loss kernels do)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        (t,) = ctx.saved_tensors
+        return t.mul_(0.0).add_(g * 2.0)
+
+
+class _ScratchIntermediate(torch.autograd.Function):
+    """exp(x) * 0.5, saving exp(x) (made in forward) and writing it in backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        e = x.exp()
+        ctx.save_for_backward(e)
+        return e * 0.5
+
+    @staticmethod
+    def backward(ctx, g):
+        (e,) = ctx.saved_tensors
+        return e.mul_(g).mul_(0.5)
+
+
+class _ScratchPair(torch.autograd.Function):
+    """a * b, saving both and writing both in backward."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = b.mul_(g)
+        gb = a.mul_(g)
+        return ga, gb
+
+
+def _scratch_fn(kind: int) -> Callable[[Ctx, int, int, int], None]:
+    def op(ctx: Ctx, i: int, j: int, k: int) -> None:
+        a = ctx.pick(i)
+        if kind == 0:
+            ctx.add(_ScratchInput.apply(a.t() if k % 3 == 0 else a))
+        elif kind == 1:
+            ctx.add(_ScratchIntermediate.apply(a.tanh()))
+        else:
+            ctx.add(_ScratchPair.apply(a, ctx.pick(j)))
+
+    return op
+
+
+# custom autograd.Functions whose backward writes into the tensors it unpacks
+SCRATCH = {
+    "scratch_input": _scratch_fn(0),
+    "scratch_intermediate": _scratch_fn(1),
+    "scratch_pair": _scratch_fn(2),
+}
+
 OTHER = {
     "save_last": _save_last,
     "drop_block": _drop_block,
@@ -420,6 +486,7 @@ OPS: dict[str, Callable[[Ctx, int, int, int], None]] = {
     **COMPLEX,
     **RANDOM_OPS,
     **MODULES,
+    **SCRATCH,
     **OTHER,
 }
 # sampling weights: in-place ops, clones and drops (which force recomputation) often
@@ -433,4 +500,5 @@ OP_NAMES = (
     + list(COMPLEX) * 2
     + list(MODULES)
     + list(RANDOM_OPS)
+    + list(SCRATCH) * 3
 )

@@ -19,7 +19,9 @@ block).  Ops work on a pool of 4x4 tensors, real and complex, and cover
   explicit generator, randint / randperm / multinomial indices, uninitialised buffers
   filled by normal_ / uniform_);
 * modules: LSTM, GRU, RReLU, BatchNorm1d (train; running statistics compared),
-  Dropout, MultiheadAttention (with and without weights), LayerNorm, Linear.
+  Dropout, MultiheadAttention (with and without weights), LayerNorm, Linear;
+* custom ``autograd.Function``s whose backward writes into the tensors it unpacks
+  (its saved input, a view of it, an intermediate of its forward, both inputs).
 
 After the forward, outside tensors may be written by every route (an in-place op,
 ``.data`` in place or assigned, a numpy view, ``untyped_storage()``, ``set_``) --
@@ -56,7 +58,7 @@ from hypothesis import strategies as st
 
 from gradient_scope import RecomputeError, recompute_scope
 
-from _fuzz_ops import BINARY, COMPLEX, MODULES, MULTI, NEWEST, OP_NAMES, OPS, RANDOM_OPS, UNARY, VIEWS, Ctx, N
+from _fuzz_ops import BINARY, COMPLEX, MODULES, MULTI, NEWEST, OP_NAMES, OPS, RANDOM_OPS, SCRATCH, UNARY, VIEWS, Ctx, N
 from _writes import WRITES
 from conftest import dispatch_depth, patchable, top_hooks
 
@@ -384,6 +386,7 @@ FAMILIES = {
     "random": list(RANDOM_OPS),
     "modules": list(MODULES),
     "inplace": ["inplace"],
+    "scratch": list(SCRATCH),
 }
 
 
