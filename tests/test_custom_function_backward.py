@@ -8,8 +8,9 @@ write and never rebuild another handle's value from the written one (P4).
 
 import pytest
 import torch
-from conftest import PlainScopes, Scopes, assert_all_same, grads
 from torch.utils.checkpoint import checkpoint
+
+from conftest import PlainScopes, Scopes, assert_all_same, grads
 
 
 class ScratchBackward(torch.autograd.Function):

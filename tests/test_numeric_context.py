@@ -12,10 +12,11 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, PlainScopes, Scopes, assert_all_same, grads
 
 from gradient_scope import RecomputeError, recompute_scope
 from gradient_scope._torch_compat import numeric_context, set_numeric_context
+
+from conftest import DEVICES, PlainScopes, Scopes, assert_all_same, grads
 
 
 @pytest.fixture(autouse=True)

@@ -11,9 +11,10 @@ be rebuilt and raises, as PyTorch raises for it.
 
 import pytest
 import torch
-from conftest import PlainScopes, Scopes, assert_all_same, grads
 
 from gradient_scope import RecomputeError
+
+from conftest import PlainScopes, Scopes, assert_all_same, grads
 
 
 @torch.compile(backend="aot_eager")

@@ -12,10 +12,11 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import PlainScopes, Scopes, assert_all_same, assert_interception_gone, grads
 from torch.utils._pytree import tree_map
 
 from gradient_scope import RecomputeError, recompute_scope
+
+from conftest import PlainScopes, Scopes, assert_all_same, assert_interception_gone, grads
 
 
 class SizesWrapper(torch.Tensor):
