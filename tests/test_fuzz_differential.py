@@ -491,3 +491,87 @@ def test_nested_side_by_side_and_aborted_scopes():
         ("drop", 5, 0, 0),
     ]
     check_program(_fixed(items))
+
+
+# Programs a randomized run found (kept as they were printed).
+FOUND = {
+    # A view taken after the block (its dtype differs from the base's) was handed out
+    # as a dense copy: kernels reading it with other strides gave other bits.
+    "dtype_view_after_block_keeps_layout": {
+        "backward": "create_graph",
+        "seed": 565,
+        "debug_all": True,
+        "writes": [],
+        "items": [
+            (
+                "scope",
+                "save_mm",
+                [
+                    ("scope", "disabled", [("unflatten", 99, 99, 40)]),
+                    ("scope", "save_fn", [("real", 82, 21, 25), ("lstm", 99, 99, 24)]),
+                    (
+                        "scope",
+                        "plain",
+                        [
+                            ("save_last", 99, 74, 27),
+                            (
+                                "scope",
+                                "save_mm",
+                                [
+                                    ("div", 43, 80, 29),
+                                    ("abs_c", 99, 99, 97),
+                                    ("linear", 66, 27, 37),
+                                    ("inplace", 64, 88, 53),
+                                    ("mT", 99, 99, 31),
+                                    ("cmovedim", 99, 60, 24),
+                                    ("multinomial", 56, 99, 1),
+                                ],
+                            ),
+                            ("randint_index", 99, 23, 67),
+                            ("unbind_stack", 99, 52, 99),
+                            (
+                                "scope",
+                                "disabled",
+                                [
+                                    ("inplace", 99, 56, 98),
+                                    ("conj_t", 85, 65, 96),
+                                    ("resolve_conj", 99, 99, 86),
+                                    ("slice_cat", 22, 31, 97),
+                                ],
+                            ),
+                            ("cadd", 94, 99, 22),
+                        ],
+                    ),
+                    ("cfft", 57, 99, 2),
+                    ("scope", "plain", [("split_cat", 99, 14, 51)]),
+                    ("real", 99, 99, 15),
+                ],
+            ),
+            ("conj_slice_cat", 59, 99, 41),
+            ("mha", 99, 41, 62),
+            ("mH", 27, 37, 20),
+            ("cmatmul", 99, 99, 90),
+            (
+                "scope",
+                "save_mm",
+                [
+                    ("scope", "disabled", [("unflatten", 99, 99, 40)]),
+                    ("scope", "save_fn", [("real", 82, 21, 25), ("lstm", 99, 99, 24)]),
+                    ("tanh", 99, 21, 25),
+                    ("cfft", 57, 99, 2),
+                    ("scope", "plain", [("split_cat", 99, 14, 51)]),
+                    ("real", 99, 99, 15),
+                ],
+            ),
+            ("conj_slice_cat", 59, 99, 41),
+            ("mha", 99, 41, 62),
+            ("mH", 27, 37, 20),
+            ("cmatmul", 99, 99, 90),
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_programs_found_by_random_runs(name):
+    check_program(FOUND[name])
