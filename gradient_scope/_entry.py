@@ -56,7 +56,7 @@ from ._registry import _LIVE, Ledger, register
 from ._subclass import data_address, data_tensors, is_wrapper
 from ._torch_compat import current_graph_task, numeric_context
 
-__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded"]
+__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen"]
 
 Tensor = torch.Tensor
 
@@ -138,18 +138,6 @@ class OpenBlock:
         self.context = numeric_context()  # R9: the context of the ops recorded now
         record.contexts.append((len(record.ops), self.context))
 
-    def note_context(self) -> None:
-        """R9: re-read the numeric context; a change applies from the next op on."""
-        ctx = numeric_context()
-        if ctx != self.context:
-            self.context = ctx
-            contexts = self.record.contexts
-            index = len(self.record.ops)
-            if contexts[-1][0] == index:
-                contexts[-1] = (index, ctx)
-            else:
-                contexts.append((index, ctx))
-
     # -- nested scopes
 
     def _count(self) -> None:
@@ -163,7 +151,7 @@ class OpenBlock:
         self.frames.append(frame)
         self.starts.append(len(self.record.ops))
         self.frame = frame
-        self.note_context()
+        note_context(self)
 
     def pop(self, aborted: bool) -> None:
         self._count()
@@ -183,7 +171,7 @@ class OpenBlock:
         self.settle()
         self._count()
         record = self.record
-        self._note_unseen()
+        _note_unseen(self)
         _note_escaped(record)
         record.open = False
         self.inputs = _Inputs()
@@ -191,27 +179,6 @@ class OpenBlock:
             _registry.forget(self.record.vars())
 
     # -- arguments
-
-    def unseen(self, var: Var, t: Tensor) -> Input | None:
-        """R10: ``t`` (the tensor of ``var``, at another version than ``var`` was made
-        at) as a new Input if a write the record cannot replay changed it, else None."""
-        root = var.root
-        writes = root.writes
-        if t._version == (writes[-1][1] if writes else var.version) or root in self.record.loose:
-            return None
-        if not writes or writes[-1][1] is not None:
-            self._add_write(root, len(self.record.ops), None)
-        return self.inputs.of(t, None)
-
-    def _note_unseen(self) -> None:
-        """R10 at block exit: the block's live tensors written unseen since their
-        last recorded read (values saved before such a write must not be rebuilt)."""
-        for rec in self.record.ops:
-            for var in rec.outs:
-                if var is not None:
-                    t = _registry.tensor_of(var)
-                    if t is not None and not t.is_inference() and t._version != var.version:
-                        self.unseen(var, t)
 
     def refs(self, args: tuple[Any, ...] | list[Any]) -> list[Any]:
         """The recorded form of positional arguments: Vars, Inputs, plain values."""
@@ -224,7 +191,7 @@ class OpenBlock:
                 if e is not None and e.frame.owner is owner and e() is a:
                     var: Var = e  # type: ignore[assignment]  # this block's entries are Vars
                     t: Tensor = a  # type: ignore[assignment]  # (narrowed by `e() is a`)
-                    out.append(var if _version(t) == var.version else (self.unseen(var, t) or var))
+                    out.append(var if _version(t) == var.version else (unseen(self, var, t) or var))
                 else:
                     out.append(self.inputs.of(a, e))
             elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
@@ -237,7 +204,7 @@ class OpenBlock:
         e = _LIVE.get(id(t))
         if e is not None and e.frame.owner is self.owner and e() is t:
             var: Var = e  # type: ignore[assignment]
-            return var if _version(t) == var.version else (self.unseen(var, t) or var)
+            return var if _version(t) == var.version else (unseen(self, var, t) or var)
         return self.inputs.of(t, e)
 
     # -- ops
@@ -246,12 +213,12 @@ class OpenBlock:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
         if f.context or _has_float(args):
-            self.note_context()
+            note_context(self)
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
         if kept or f.never_replay:
-            pre = self._before_writes(f, args, kwargs) if f.writes else None
+            pre = _before_writes(self, f, args, kwargs) if f.writes else None
             out = func(*args, **kwargs)  # R2: not recorded
             for root, _ in pre or ():
                 self._add_write(root, len(self.record.ops), None)
@@ -281,7 +248,7 @@ class OpenBlock:
             except Unrecordable:
                 return run_unrecorded(self, func, f, args, kwargs)
         rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
-        pre = self._before_writes(f, args, kwargs) if f.writes else None
+        pre = _before_writes(self, f, args, kwargs) if f.writes else None
 
         out = func(*args, **kwargs)
 
@@ -301,21 +268,6 @@ class OpenBlock:
         if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
             rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
         ops.append(OpRecord(func, rargs, rkwargs, rng, outs))
-        return out
-
-    def _before_writes(self, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Group, Tensor]]:
-        """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
-        out: list[tuple[Group, Tensor]] = []
-        for w in f.writes:
-            a = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
-            # A Tensor[] argument (``_foreach_mul_``) writes each of its tensors.
-            for t in (a,) if isinstance(a, Tensor) else a if type(a) is list or type(a) is tuple else ():
-                if not isinstance(t, Tensor):
-                    continue
-                root = self.ref(t).root
-                if isinstance(root, Input) and not root.snapshot:
-                    self.inputs.before_write(root)
-                out.append((root, t))
         return out
 
     @staticmethod
@@ -365,6 +317,60 @@ def _new_var(
             rec.record.debug_values[var] = t.detach().clone()
     register(var)
     return var
+
+
+def _before_writes(
+    block: OpenBlock, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[Group, Tensor]]:
+    """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
+    out: list[tuple[Group, Tensor]] = []
+    for w in f.writes:
+        a = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+        # A Tensor[] argument (``_foreach_mul_``) writes each of its tensors.
+        for t in (a,) if isinstance(a, Tensor) else a if type(a) is list or type(a) is tuple else ():
+            if not isinstance(t, Tensor):
+                continue
+            root = block.ref(t).root
+            if isinstance(root, Input) and not root.snapshot:
+                block.inputs.before_write(root)
+            out.append((root, t))
+    return out
+
+
+def note_context(block: OpenBlock) -> None:
+    """R9: re-read the numeric context; a change applies from the next op on."""
+    ctx = numeric_context()
+    if ctx != block.context:
+        block.context = ctx
+        contexts = block.record.contexts
+        index = len(block.record.ops)
+        if contexts[-1][0] == index:
+            contexts[-1] = (index, ctx)
+        else:
+            contexts.append((index, ctx))
+
+
+def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
+    """R10: ``t`` (the tensor of ``var``, at another version than ``var`` was made
+    at) as a new Input if a write the record cannot replay changed it, else None."""
+    root = var.root
+    writes = root.writes
+    if t._version == (writes[-1][1] if writes else var.version) or root in block.record.loose:
+        return None
+    if not writes or writes[-1][1] is not None:
+        block._add_write(root, len(block.record.ops), None)
+    return block.inputs.of(t, None)
+
+
+def _note_unseen(block: OpenBlock) -> None:
+    """R10 at block exit: the block's live tensors written unseen since their
+    last recorded read (values saved before such a write must not be rebuilt)."""
+    for rec in block.record.ops:
+        for var in rec.outs:
+            if var is not None:
+                t = _registry.tensor_of(var)
+                if t is not None and not t.is_inference() and t._version != var.version:
+                    unseen(block, var, t)
 
 
 def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

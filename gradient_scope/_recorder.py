@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _registry
-from ._entry import OpenBlock, Unrecordable, run_unrecorded
+from ._entry import OpenBlock, Unrecordable, note_context, run_unrecorded, unseen
 from ._errors import internal_error
 from ._ops import _FACTS, facts
 from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, OpRecord, Var, new_var
@@ -81,7 +81,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
                     same = t._version == var.version
                 except RuntimeError:  # an inference tensor: no version counter, never written
                     same = True
-                rargs.append(var if same else (block.unseen(var, t) or var))  # R10
+                rargs.append(var if same else (unseen(block, var, t) or var))  # R10
             else:
                 try:
                     rargs.append(block.inputs.of(a, e))
@@ -91,7 +91,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             return block.run_and_record(func, f, args, NO_KWARGS)
         else:
             if (type(a) is float or type(a) is complex) and default_dtype() is not block.context[0]:
-                block.note_context()  # R9: type promotion reads the default dtype
+                note_context(block)  # R9: type promotion reads the default dtype
             rargs.append(a)
     out = f.kernel(*args)
     ops = block.record.ops
