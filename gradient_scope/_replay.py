@@ -232,11 +232,12 @@ class ReplayState:
         for _, post in var.root.writes:
             if post is None:
                 raise RecomputeError(
-                    f"gradient_scope: cannot recompute a {var.describe()}, saved before the block "
-                    "wrote to it with an op that is not replayed: a collective, or a write the "
-                    "recorder did not see (a torch.compile'd function called in the block, an op "
-                    "on a list of tensors, another thread). Make that write out of place (or on a "
-                    "clone), or keep the tensor out of the recompute_scope."
+                    f"gradient_scope: cannot recompute a {var.describe()}: it was saved before the "
+                    "block wrote to it with an op that is not replayed. Likely cause: a collective, "
+                    "or a write the recorder did not see (a torch.compile'd function called in the "
+                    "block that writes its argument in place, or another thread). Fix: make that "
+                    "write out of place (or on a clone), do it before the tensor is saved, or keep "
+                    "the tensor out of the recompute_scope."
                 )
             if post > h.version:
                 raise inplace_error(var.describe(), h.version, post)
