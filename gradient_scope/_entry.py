@@ -355,7 +355,10 @@ def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
     at) as a new Input if a write the record cannot replay changed it, else None."""
     root = var.root
     writes = root.writes
-    if t._version == (writes[-1][1] if writes else var.version) or root in block.record.loose:
+    # With no recorded write the group is at its root's version: a view's own Var was
+    # made inside dispatch, before its counter was tied to its base's.
+    expected = writes[-1][1] if writes else root.version
+    if (expected is None and not writes) or t._version == expected or root in block.record.loose:
         return None
     if not writes or writes[-1][1] is not None:
         block._add_write(root, len(block.record.ops), None)
