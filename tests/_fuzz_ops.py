@@ -403,7 +403,7 @@ def _drop_block(ctx: Ctx, i: int, j: int, k: int) -> None:
         ctx.pool[n] = None
 
 
-class _ScratchInput(torch.autograd.Function):
+class ScratchInput(torch.autograd.Function):
     """2 x; backward reuses its saved input as scratch (fused-loss kernels do)."""
 
     @staticmethod
@@ -417,7 +417,7 @@ class _ScratchInput(torch.autograd.Function):
         return t.mul_(0.0).add_(g * 2.0)
 
 
-class _ScratchIntermediate(torch.autograd.Function):
+class ScratchIntermediate(torch.autograd.Function):
     """exp(x) * 0.5, saving exp(x) (made in forward) and writing it in backward."""
 
     @staticmethod
@@ -452,9 +452,9 @@ def _scratch_fn(kind: int) -> Callable[[Ctx, int, int, int], None]:
     def op(ctx: Ctx, i: int, j: int, k: int) -> None:
         a = ctx.pick(i)
         if kind == 0:
-            ctx.add(_ScratchInput.apply(a.t() if k % 3 == 0 else a))
+            ctx.add(ScratchInput.apply(a.t() if k % 3 == 0 else a))
         elif kind == 1:
-            ctx.add(_ScratchIntermediate.apply(a.tanh()))
+            ctx.add(ScratchIntermediate.apply(a.tanh()))
         else:
             ctx.add(_ScratchPair.apply(a, ctx.pick(j)))
 

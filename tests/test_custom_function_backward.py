@@ -14,36 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
+from _fuzz_ops import ScratchInput as ScratchBackward
+from _fuzz_ops import ScratchIntermediate as ScratchSavedIntermediate
 from conftest import PlainScopes, Scopes, assert_all_same, grads
-
-
-class ScratchBackward(torch.autograd.Function):
-    """y = 2 x; the backward overwrites its saved input with the gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        (t,) = ctx.saved_tensors
-        return t.mul_(0).add_(g * 2)
-
-
-class ScratchSavedIntermediate(torch.autograd.Function):
-    """y = exp(x) * 3, saving exp(x) (made in forward) and writing it in backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        e = x.exp()
-        ctx.save_for_backward(e)
-        return e * 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (e,) = ctx.saved_tensors
-        return e.mul_(g).mul_(3)
 
 
 def _forward_frontier(scope, a, w, view):
