@@ -55,6 +55,7 @@ import torch
 import torch._dynamo
 import torch._functorch.config as _functorch_config
 
+from ._compile_inputs import pin_reads_of_written_inputs
 from ._errors import check_bool
 from ._options import scopes_disabled
 from ._stats import ScopeStats
@@ -392,6 +393,10 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         parent = node.args[0]
         if isinstance(parent, torch.fx.Node) and "recompute" in parent.meta:
             node.meta["recompute"] = parent.meta["recompute"]
+    # A graph input the graph writes holds its new value when the backward runs:
+    # whatever reads it is stored, never recomputed (in or out of the blocks).
+    if tagged:
+        pin_reads_of_written_inputs(gm, backward)
     # Compile-time stats: block ops, and block tensors the backward graph reads.
     for node, entry in tagged:
         scope = entry.scope()
