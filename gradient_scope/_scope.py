@@ -7,13 +7,14 @@ import inspect
 import itertools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar, overload
 
 import torch
 
-from . import _interception, _recorder
+from . import _interception, _recorder, _torch_compat
 from ._budget import Budget
 from ._entry import OpenBlock
 from ._errors import Site, check_bool
@@ -160,6 +161,7 @@ class recompute_scope:
         self._active = False
         self._range: Any = None  # the profiler range of the recorded region
         self._site: Site | None = None  # set by helpers that know the module path
+        self._dynamo_callback: tuple[int, Any] = (0, None)
 
     def _at(self, site: Site) -> recompute_scope:
         """This scope, reporting ``site`` as where its block was entered (in errors)."""
@@ -218,6 +220,12 @@ class recompute_scope:
             self._block, self._nested = _recorder.open_block(record, state, frame), False  # type: ignore[arg-type]
         rng = self._range = profiler_range("gradient_scope.record")
         rng.__enter__()
+        # Entered eagerly while dynamo compiles the frames this thread enters: the
+        # frame with the block fell back to eager (a graph break in a compiled
+        # scope). Frames called from the open block run eagerly too, so that their
+        # ops are recorded as an eager scope's; functions the user wrapped with
+        # torch.compile still compile (R7).
+        self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -227,6 +235,10 @@ class recompute_scope:
         if block is None:
             self._active = False
             return
+        thread, callback = self._dynamo_callback
+        self._dynamo_callback = (0, None)
+        if thread == threading.get_ident():  # (another thread: the check below raises)
+            _torch_compat.resume_dynamo_compile(callback)
         if (
             _recorder.innermost() is not block
             or block.frame is not self._frame

@@ -57,6 +57,8 @@ __all__ = [
     "remove_mode_from_under",
     "without_torch_function",
     "skip_dynamo",
+    "suspend_dynamo_compile",
+    "resume_dynamo_compile",
     "in_compiled_code",
     "innermost_function_mode",
     "remove_function_mode_from_under",
@@ -226,6 +228,27 @@ def skip_dynamo(code: Any) -> None:
 
     skip = getattr(ef, "FrameAction").SKIP  # noqa: B009  (not re-exported: getattr)
     getattr(ef, "set_code_exec_strategy")(code, getattr(ef, "FrameExecStrategy")(skip, skip))  # noqa: B009
+
+
+_set_eval_frame: Callable[[Any], Any] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None
+)
+
+
+def suspend_dynamo_compile() -> Any:
+    """Stop dynamo from compiling (or running compiled code for) the frames this
+    thread enters from now on, as ``torch._dynamo.disable`` does; functions wrapped
+    by ``torch.compile`` still compile (their wrapper sets its own callback). Returns
+    the callback to give :func:`resume_dynamo_compile`, None when none was set."""
+    if _set_eval_frame is None:
+        return None
+    return _set_eval_frame(None)
+
+
+def resume_dynamo_compile(prior: Any) -> None:
+    """Undo :func:`suspend_dynamo_compile` (``prior`` is what it returned)."""
+    if prior is not None and _set_eval_frame is not None:
+        _set_eval_frame(prior)
 
 
 _AOT_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
