@@ -42,7 +42,7 @@ _META_LOCAL = "inner_meta"
 
 def _caller_input_info(max_depth: int = 8) -> list[Any] | None:
     """``input_info`` of the graph being partitioned, from AOTAutograd's frame."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return None

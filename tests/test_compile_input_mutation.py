@@ -229,3 +229,26 @@ def test_reads_of_unwritten_inputs_are_still_recomputed():
     # One block tensor is kept: what the add that reads b produced (u is recomputed).
     assert [shape for ptr, shape in kept if ptr not in inputs] == [(6, 6)], kept
     y.sum().backward()
+
+
+# ------------------------------------------------------------------ (d) written after the forward
+
+
+def test_parameter_written_between_compiled_forward_and_backward_raises():
+    """The compiled backward recomputes from the parameter, which AOTAutograd saves with
+    autograd's version check: the write makes backward raise (autograd's in-place
+    error; not yet a RecomputeError that names the parameter, see docs/limitations.md),
+    never a gradient computed from the new value."""
+    lin = torch.nn.Linear(6, 6)
+
+    def f(x):
+        with recompute_scope():
+            h = (x + lin.weight * 2).sin()
+        return h * x
+
+    x = torch.randn(6, 6, requires_grad=True)
+    y = torch.compile(f, backend="aot_eager")(x)
+    with torch.no_grad():
+        lin.weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -287,7 +287,9 @@ def _count(outcome: str) -> None:
 idx_st = st.integers(0, 40)
 op_st = st.tuples(st.sampled_from(OP_NAMES + SPECIAL), idx_st, idx_st)
 scope_st = st.recursive(
-    st.tuples(st.just("scope"), st.sampled_from(["plain", "plain", "save_mm"]), st.lists(op_st, min_size=1, max_size=5)),
+    st.tuples(
+        st.just("scope"), st.sampled_from(["plain", "plain", "save_mm"]), st.lists(op_st, min_size=1, max_size=5)
+    ),
     lambda inner: st.tuples(
         st.just("scope"),
         st.sampled_from(["plain", "save_mm"]),
