@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, event, given, reject, settings
+from hypothesis import HealthCheck, Phase, event, example, given, reject, settings
 from hypothesis import strategies as st
 
 import gradient_scope._compile as gs_compile
@@ -322,6 +322,11 @@ def _has_scope(items: list) -> bool:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 @given(program=program_st)
+# A block reads the buffer, the function writes it later / the block writes it first.
+@example(
+    program={"shape": "inside", "items": [("scope", "plain", [("read_buf", 0, 0)]), ("write_buf", 0, 0)], "seed": 1}
+)
+@example(program={"shape": "inside", "items": [("scope", "plain", [("mul_buf", 0, 0), ("read_buf", 0, 0)])], "seed": 2})
 def test_compiled_programs_equal_plain_or_recompute_error(program):
     if not _has_scope(program["items"]):
         reject()
