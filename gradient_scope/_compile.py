@@ -23,7 +23,10 @@ block's tensors:
    with one ``ac_graph_id`` per outermost scope, so the min-cut partitioner recomputes
    them in the backward graph, also where an op after the block saves them; random ops
    in the block are replayed with the RNG state they drew in forward (the partitioner's
-   ``functionalize_rng_ops``).
+   ``functionalize_rng_ops``). In a graph with a scope, every forward read of a graph
+   input the graph writes (AOTAutograd applies such writes when the forward ends) is
+   ``MUST_SAVE`` instead: the backward would read the new value
+   (:mod:`._compile_inputs`).
 4. The AOTAutograd cache key in torch 2.13 does not include ``node.meta["custom"]``: a
    scoped graph could be served the artifact of the same graph without the scope (and
    the other way round). Every graph with a scope therefore contains a call of
@@ -32,7 +35,10 @@ block's tensors:
    the call away (it runs no op), so it costs nothing at run time. Caches of other
    graphs, and inductor's FX graph cache of the partitioned graphs, work as usual.
 
-A compiled function called *inside an eager block* is compiled (the recording mode says
+A graph break inside a block makes dynamo run the frame with the block eagerly: the
+scope is then an eager scope, and while its block is open the frames it calls run
+eagerly too and are recorded (``recompute_scope.__enter__``), instead of being compiled
+as frames of their own. A compiled function called *inside an eager block* is compiled (the recording mode says
 ``ignore_compile_internals``) and what runs inside its graph is stored as the compiled
 graph decides: :func:`._torch_compat.in_compiled_code` tells the recording mode which ops a compiled
 artifact runs, and the mode lets them through unrecorded.

@@ -22,7 +22,7 @@ partitions) it must be close to both. Compared: the outputs, every gradient, and
 final values of the buffer and the parameter. After each run no saved-tensor hooks,
 dispatch modes or dynamo callbacks are left.
 
-Size: ``GS_DIFF_COMPILED_EXAMPLES`` examples (default 12: each compiles two graphs),
+Size: ``GS_DIFF_COMPILED_EXAMPLES`` examples (default 10: each compiles two graphs),
 derandomized unless ``GS_DIFF_RANDOM=1``; backend ``aot_eager``, or inductor with
 ``GS_DIFF_INDUCTOR=1``. ``GS_DIFF_COUNTS=path`` appends one line per example (its
 outcome) to ``path``. Long run, e.g.
@@ -49,7 +49,7 @@ from gradient_scope import RecomputeError, recompute_scope
 
 from conftest import dispatch_depth, top_hooks
 
-N_EXAMPLES = int(os.environ.get("GS_DIFF_COMPILED_EXAMPLES", "12"))
+N_EXAMPLES = int(os.environ.get("GS_DIFF_COMPILED_EXAMPLES", "10"))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
 BACKEND = "inductor" if os.environ.get("GS_DIFF_INDUCTOR", "") not in ("", "0") else "aot_eager"
 COUNTS = os.environ.get("GS_DIFF_COUNTS")
