@@ -12,14 +12,15 @@ Two shapes of program:
 * ``outside``: an eager program with scopes that calls compiled functions on block
   tensors and on the buffer; a compiled function may write its arguments in place.
 
-Oracle. A program whose eager or compiled plain run raises is rejected (invalid). With
-``aot_eager`` the scoped compiled run must be bitwise equal to the plain compiled run
-(recomputation runs the same aten ops on the same values), unless the plain compiled
-run is itself wrong: then it must be close to eager. (Torch 2.13's partitioner
-recomputes pointwise reads of inputs the graph writes -- plain compile's own gap; a
-graph with a scope stores those reads.) With inductor (fused kernels differ between
-partitions) it must be close to both. Compared: the outputs, every gradient, and the
-final values of the buffer and the parameter. After each run no saved-tensor hooks,
+Oracle. A program whose eager or compiled plain run raises is rejected (invalid). The
+scoped compiled run must be bitwise equal to the plain compiled run, or close to both
+it and eager (the contract's promise under compile: the partition differs, and with it
+the graphs around a graph break and inductor's fused kernels), or -- where the plain
+compiled run is itself wrong (not close to eager) -- close to eager. (Torch 2.13's
+partitioner recomputes pointwise reads of inputs the graph writes: plain compile's own
+gap; a graph with a scope stores those reads.) The outcomes are counted apart.
+Compared: the outputs, every gradient, and the final values of the buffer and the
+parameter. After each run no saved-tensor hooks,
 dispatch modes or dynamo callbacks are left.
 
 Size: ``GS_DIFF_COMPILED_EXAMPLES`` examples (default 10: each compiles two graphs),
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, event, example, given, reject, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 
 import gradient_scope._compile as gs_compile
 from gradient_scope import RecomputeError, recompute_scope
@@ -216,7 +218,7 @@ def _bitwise(a: list, e: list) -> bool:
 def _close(a: list, e: list) -> bool:
     try:
         for x, y in zip(a, e):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, equal_nan=True)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, equal_nan=True)
     except AssertionError:
         return False
     return True
@@ -254,7 +256,7 @@ def check_program(program: dict) -> str:
         outcome = "bitwise equal to plain compiled"
     elif not _close(plain, eager) and _close(scoped, eager):
         outcome = "plain compiled wrong, scoped close to eager"
-    elif program["backend"] != "aot_eager" and _close(scoped, plain) and _close(scoped, eager):
+    elif _close(scoped, plain) and _close(scoped, eager):
         outcome = "close to plain compiled and eager"
     else:
         raise AssertionError(f"scoped compiled run differs (silently wrong)\nprogram={program!r}")
@@ -269,13 +271,13 @@ def check_program(program: dict) -> str:
 
 def _invalid(why: str) -> str:
     _count(f"invalid: {why}")
-    event(why)
     reject()
     return why
 
 
 def _count(outcome: str) -> None:
-    event(outcome)
+    with contextlib.suppress(InvalidArgument):  # (outside a hypothesis test)
+        event(outcome)
     if COUNTS:
         with open(COUNTS, "a") as f:
             f.write(outcome + "\n")
