@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ._torch_compat import op_schema
+
 __all__ = ["written_inputs", "pin_reads_of_written_inputs"]
 
 # The AOTAutograd function that calls joint_custom_pass, and its local that holds
@@ -55,7 +57,7 @@ def _caller_input_info(max_depth: int = 8) -> list[Any] | None:
 
 def _writes(node: torch.fx.Node) -> list[Any]:
     """The arguments an in-place op writes."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return []
     written = []
@@ -86,7 +88,7 @@ def written_inputs(gm: torch.fx.GraphModule, input_info: list[Any] | None) -> se
 
 
 def _is_alias(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None or not schema.returns:
         return False
     alias = schema.returns[0].alias_info
