@@ -183,3 +183,51 @@ def test_eager_scope_outside_compiled_code_leaves_compiled_calls_compiled():
     assert counters["stats"]["unique_graphs"] == graphs0 + 1
     assert scope.stats.ops_recorded == 1  # exp only
     y.sum().backward()
+
+
+def test_apply_recompute_on_blocks_with_a_graph_break_in_a_compiled_model():
+    """apply_recompute's scope wraps each block's forward; a graph break inside it runs the
+    block as an eager scope, and the block's submodules (compiled as frames of their own
+    without the fix) are recorded: the compiled model keeps what the eager one keeps."""
+    from gradient_scope import apply_recompute
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, h):
+            return self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.ln = MLP(), nn.LayerNorm(16)
+
+        def forward(self, h):
+            a = self.ln(h)
+            torch._dynamo.graph_break()
+            return h + self.mlp(a)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    apply_recompute(model, check_fn=Block)
+
+    def step(m):
+        torch._dynamo.reset()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        params = [x, *model.parameters()]
+        with Probe(params) as probe:
+            y = m(x)
+        y.sum().backward()
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return probe.nbytes, grads
+
+    eager_bytes, eager_grads = step(model)
+    bytes_, grads = step(torch.compile(model, backend="aot_eager"))
+    assert eager_bytes == 0  # every block tensor is a handle of the eager scopes
+    assert bytes_ <= eager_bytes
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)  # the residual adds between the blocks are compiled
