@@ -252,3 +252,31 @@ def test_parameter_written_between_compiled_forward_and_backward_raises():
         lin.weight.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_aotautograd_metadata_is_found(monkeypatch):
+    """Inputs that AOTAutograd writes after the graph (those that require grad) are known
+    only from its metadata, read from its partitioning step's frame: on this torch the
+    frame must be found (otherwise test_block_writes_an_argument_that_requires_grad
+    would fail, and docs/limitations.md says what is lost)."""
+    import gradient_scope._compile_inputs as gs_inputs
+
+    seen = []
+    real = gs_inputs.written_inputs
+
+    def spy(gm, input_info):
+        seen.append(input_info)
+        return real(gm, input_info)
+
+    monkeypatch.setattr(gs_inputs, "written_inputs", spy)
+
+    def f(x, w):
+        with recompute_scope():
+            w.mul_(2)
+            h = (x + w).sin()
+        return h * x
+
+    x, b = args_x_buf()
+    torch.compile(f, backend="aot_eager")(x, b.requires_grad_() * 1.0).sum().backward()
+    assert len(seen) == 1 and seen[0] is not None
+    assert sorted(bool(info.mutates_data) for info in seen[0]) == [False, True]  # w, not x
