@@ -192,12 +192,20 @@ class recompute_scope:
         if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
             self._block = None  # records nothing: a plain block
             return self
+        # Entered eagerly while dynamo compiles the frames this thread enters: the
+        # frame with the block fell back to eager (a graph break in a compiled
+        # scope). Frames called from the open block run eagerly too, so that their
+        # ops are recorded as an eager scope's (functions the user wrapped with
+        # torch.compile still compile, R7); so does the library's own code here.
+        self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         site = self._site if self._site is not None else _caller_site()
         serial = next(_serials)
         try:
             _interception.ensure_on_top(serial)
         except BaseException:
             self._active = False
+            _torch_compat.resume_dynamo_compile(self._dynamo_callback[1])
+            self._dynamo_callback = (0, None)
             raise
         outer = _recorder.innermost()
         budget = opts.get("budget")
@@ -220,12 +228,6 @@ class recompute_scope:
             self._block, self._nested = _recorder.open_block(record, state, frame), False  # type: ignore[arg-type]
         rng = self._range = profiler_range("gradient_scope.record")
         rng.__enter__()
-        # Entered eagerly while dynamo compiles the frames this thread enters: the
-        # frame with the block fell back to eager (a graph break in a compiled
-        # scope). Frames called from the open block run eagerly too, so that their
-        # ops are recorded as an eager scope's; functions the user wrapped with
-        # torch.compile still compile (R7).
-        self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -235,10 +237,17 @@ class recompute_scope:
         if block is None:
             self._active = False
             return
-        thread, callback = self._dynamo_callback
-        self._dynamo_callback = (0, None)
-        if thread == threading.get_ident():  # (another thread: the check below raises)
-            _torch_compat.resume_dynamo_compile(callback)
+        try:
+            self._close(block, exc_type)
+        finally:
+            # Dynamo compiles called frames again only now: the library's own code
+            # above must not be traced (another thread: _close raised).
+            thread, callback = self._dynamo_callback
+            self._dynamo_callback = (0, None)
+            if thread == threading.get_ident():
+                _torch_compat.resume_dynamo_compile(callback)
+
+    def _close(self, block: OpenBlock, exc_type: Any) -> None:
         if (
             _recorder.innermost() is not block
             or block.frame is not self._frame
