@@ -53,18 +53,21 @@ _LIB_DIRS = tuple(
 )
 # Code that torch generates (fx graphs) or imports itself: never the user's line.
 _GENERATED = ("<eval_with_key>", "<frozen ", "<torch_package_")
-_is_lib: dict[CodeType, bool] = {}
+# By file name, not code object: a code object kept here would keep alive what hangs on
+# it (dynamo's cache entries and their guards, which hold the compiled model's tensors).
+_is_lib: dict[str, bool] = {}
 
 
 def user_line(frame: FrameType | None) -> Location | None:
     """The innermost frame at or above ``frame`` outside torch and this package."""
     while frame is not None:
         code = frame.f_code
-        lib = _is_lib.get(code)
+        name = code.co_filename
+        lib = _is_lib.get(name)
         if lib is None:
             if len(_is_lib) > 8192:
                 _is_lib.clear()
-            lib = _is_lib[code] = code.co_filename.startswith(_GENERATED) or code.co_filename.startswith(_LIB_DIRS)
+            lib = _is_lib[name] = name.startswith(_GENERATED) or name.startswith(_LIB_DIRS)
         if not lib:
             return code, frame.f_lineno
         frame = frame.f_back

@@ -253,7 +253,8 @@ def resume_dynamo_compile(prior: Any) -> None:
 
 _AOT_DIR = os.path.join(os.path.dirname(torch.__file__), "_functorch", "_aot_autograd") + os.sep
 _AOT_RUNTIME = "torch._functorch._aot_autograd.runtime_wrappers"
-_is_aot_code: dict[Any, bool] = {}
+# By file name: a code object kept here would keep dynamo's cache entries alive.
+_is_aot_code: dict[str, bool] = {}
 
 
 def in_compiled_code() -> bool:
@@ -267,12 +268,12 @@ def in_compiled_code() -> bool:
     for _ in range(256):
         if f is None:
             break
-        code = f.f_code
-        hit = _is_aot_code.get(code)
+        name = f.f_code.co_filename
+        hit = _is_aot_code.get(name)
         if hit is None:
-            if len(_is_aot_code) > 4096:  # code of graphs long gone: start afresh
+            if len(_is_aot_code) > 4096:  # files of graphs long gone: start afresh
                 _is_aot_code.clear()
-            hit = _is_aot_code[code] = code.co_filename.startswith(_AOT_DIR)
+            hit = _is_aot_code[name] = name.startswith(_AOT_DIR)
         if hit:
             return True
         f = f.f_back
