@@ -23,6 +23,14 @@ def live_tensors():
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
+def collect_all():
+    """Collect until nothing more is found: garbage left by earlier tests (dynamo's cache
+    entries and fakes among it) can take more than one pass, as finalizers run in one
+    pass release objects that only the next pass frees."""
+    while gc.collect():
+        pass
+
+
 def rss_bytes():
     with open("/proc/self/statm") as f:
         resident_pages = int(f.read().split()[1])
@@ -83,7 +91,7 @@ def test_soak_500_steps():
         if top_hooks() != hooks0 or dispatch_depth() != modes0:
             bad_steps.append(i)
         if i in SAMPLES:
-            gc.collect()
+            collect_all()
             samples[i] = (live_tensors(), rss_bytes())
 
     assert not bad_steps, f"hook/mode stack not back to what it was after steps {bad_steps[:10]}"
