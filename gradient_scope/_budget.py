@@ -141,7 +141,10 @@ class BudgetCurve:
 
     def plot(self, path: str | os.PathLike[str]) -> None:
         """Write the curve as a PNG to ``path`` (requires matplotlib)."""
-        import matplotlib
+        try:
+            import matplotlib
+        except ImportError as e:
+            raise ImportError("Budget.curve().plot() needs matplotlib: pip install matplotlib") from e
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
