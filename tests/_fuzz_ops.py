@@ -432,8 +432,8 @@ class ScratchIntermediate(torch.autograd.Function):
         return e.mul_(g).mul_(0.5)
 
 
-class _ScratchPair(torch.autograd.Function):
-    """a * b, saving both and writing both in backward."""
+class ScratchPair(torch.autograd.Function):
+    """a * b, saving both; the backward writes both (they may be one tensor)."""
 
     @staticmethod
     def forward(ctx, a, b):
@@ -456,7 +456,7 @@ def _scratch_fn(kind: int) -> Callable[[Ctx, int, int, int], None]:
         elif kind == 1:
             ctx.add(ScratchIntermediate.apply(a.tanh()))
         else:
-            ctx.add(_ScratchPair.apply(a, ctx.pick(j)))
+            ctx.add(ScratchPair.apply(a, ctx.pick(j)))
 
     return op
 

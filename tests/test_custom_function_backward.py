@@ -16,6 +16,7 @@ from gradient_scope import recompute_scope
 
 from _fuzz_ops import ScratchInput as ScratchBackward
 from _fuzz_ops import ScratchIntermediate as ScratchSavedIntermediate
+from _fuzz_ops import ScratchPair
 from conftest import PlainScopes, Scopes, assert_all_same, grads
 
 
@@ -125,22 +126,6 @@ def test_served_value_is_not_copied():
 
     fwd().backward()
     assert len(seen) == 2 and seen[0] == seen[1]
-
-
-class ScratchPair(torch.autograd.Function):
-    """a * b, saving both; the backward writes both (they may be one tensor)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a * b
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        ga = b.mul_(g)
-        gb = a.mul_(g)
-        return ga, gb
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
