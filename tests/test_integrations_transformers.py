@@ -18,34 +18,12 @@ import gradient_scope
 import gradient_scope.integrations.transformers as gs_hf
 from gradient_scope import apply_recompute, remove_recompute
 
-VOCAB, SEQ = 64, 12
-COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+import _hf_models
+from _hf_models import SEQ, VOCAB
 
 
 def make_model(kind, seed=0):
-    torch.manual_seed(seed)
-    if kind == "gpt2":  # dropout 0.1 on embeddings, attention and residuals by default
-        cfg = transformers.GPT2Config(n_embd=32, n_layer=3, n_head=2, n_positions=SEQ, **COMMON)
-        return transformers.GPT2LMHeadModel(cfg)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=SEQ,
-            attention_dropout=0.1,
-            **COMMON,
-        )
-        return transformers.LlamaForCausalLM(cfg)
-    if kind == "bert":  # an encoder; dropout 0.1 on hidden states and attention probabilities
-        cfg = transformers.BertConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-            max_position_embeddings=SEQ, **COMMON,
-        )  # fmt: skip
-        return transformers.BertForMaskedLM(cfg)
-    raise AssertionError(kind)
+    return _hf_models.make_model(kind, layers=3, seed=seed)
 
 
 def layers_of(model):

@@ -18,46 +18,20 @@ import sys
 
 import pytest
 import torch
-import transformers
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import gradient_scope
 from gradient_scope import apply_recompute, remove_recompute, saved_tensors_report
 
+import _hf_models
+from _hf_models import SEQ, VOCAB
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._harness.memory import profile_cpu_memory
 
-VOCAB, SEQ = 64, 12
-
 
 def make_model(kind):
-    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    if kind == "gpt2":  # dropout 0.1 on embeddings, attention and residuals by default
-        cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, **common)
-        return transformers.GPT2LMHeadModel(cfg)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=SEQ,
-            attention_dropout=0.1,
-            **common,
-        )
-        return transformers.LlamaForCausalLM(cfg)
-    if kind == "bert":  # dropout 0.1 on hidden states and attention probabilities by default
-        cfg = transformers.BertConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=SEQ,
-            **common,
-        )
-        return transformers.BertForMaskedLM(cfg)
-    raise AssertionError(kind)
+    return _hf_models.make_model(kind, layers=2)
 
 
 MODELS = ["gpt2", "llama", "bert"]

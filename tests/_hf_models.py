@@ -1,0 +1,41 @@
+"""Tiny Hugging Face models built from configs with random weights (nothing is downloaded),
+shared by the transformers tests."""
+
+import torch
+import transformers
+
+VOCAB, SEQ = 64, 12
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+def make_model(kind: str, layers: int, seed: int | None = None):
+    """A GPT-2, Llama or BERT of ``layers`` layers; ``seed`` seeds the weights (None: the
+    global RNG as it is)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    if kind == "gpt2":  # dropout 0.1 on embeddings, attention and residuals by default
+        cfg = transformers.GPT2Config(n_embd=32, n_layer=layers, n_head=2, n_positions=SEQ, **_COMMON)
+        return transformers.GPT2LMHeadModel(cfg)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=SEQ,
+            attention_dropout=0.1,
+            **_COMMON,
+        )
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "bert":  # an encoder; dropout 0.1 on hidden states and attention probabilities
+        cfg = transformers.BertConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            max_position_embeddings=SEQ,
+            **_COMMON,
+        )
+        return transformers.BertForMaskedLM(cfg)
+    raise AssertionError(kind)
