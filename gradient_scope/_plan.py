@@ -20,6 +20,7 @@ import torch
 
 from . import _rng
 from ._errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_error
+from ._plan_code import compiled, failed
 from ._record import BlockRecord, Input, OpRecord, Ref, Var, live_value
 from ._structure import Fill, Program, Slots, Structure, structure_of
 from ._subclass import data_storage_id, storage_freed
@@ -169,7 +170,16 @@ def replay(
 
     t = of[id(target)]
     program = st.program(st.closure(t, available), t, tuple(of[id(n)] for n, _ in wanted))
-    value, produced = _run(record, st, slots, program, target, t, cache)
+    starts = tuple(i for i, _ in record.contexts)
+    code = compiled(st, program, starts, bool(record.debug_values), _RUNTIME)
+    if code is None:
+        value, produced = _run(record, st, slots, program, t, cache)
+    else:
+        with without_autocast(), _Contexts(record.contexts) as contexts:
+            value, produced = code(record.ops, slots.refs, cache, contexts, record.debug_values)
+    stats = target.frame.stats
+    stats.replays += 1
+    stats.ops_replayed += len(program.plan)
     holds: list[tuple[H, Key, Tensor]] = []
     for s, v in produced.items():
         n = refs[s]
@@ -201,7 +211,7 @@ def _arguments(rec: OpRecord, fills: tuple[Fill, ...], env: list[Any]) -> tuple[
 
 
 def _run(
-    record: BlockRecord, st: Structure, slots: Slots, program: Program, target: Var, t: int, cache: dict[Key, Tensor]
+    record: BlockRecord, st: Structure, slots: Slots, program: Program, t: int, cache: dict[Key, Tensor]
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """Run ``program``; return ``target``'s value and the values of its kept slots (as
     they stand at the end, for groups written to). A value is held in the environment
@@ -234,7 +244,7 @@ def _run(
             except RecomputeError:
                 raise
             except Exception as e:
-                raise RecomputeError(f"gradient_scope: replaying {func} failed during backward: {e}. {_FAILED}") from e
+                raise failed(func, e) from e
             del args, kwargs
             for k, s, store in outputs:
                 v = out if k == 0 and isinstance(out, Tensor) else out[k]
@@ -255,19 +265,9 @@ def _run(
                     produced[s] = v
             for s in frees:
                 env[s] = None
-    stats = target.frame.stats
-    stats.replays += 1
-    stats.ops_replayed += len(program.plan)
     if result is None:
-        internal_error(f"replay did not produce the {target.describe()}")
+        internal_error(f"replay did not produce the value of slot {t}")
     return result, produced
-
-
-_FAILED = (
-    "Likely cause: something the op depends on changed between forward and backward without the "
-    "block seeing it, or the op cannot run twice. Fix: keep its output with save=[...] or move it "
-    "out of the recompute_scope."
-)
 
 
 class _Contexts:
@@ -312,3 +312,7 @@ def _load(r: Ref, func: Any, cache: dict[Key, Tensor]) -> Tensor:
             internal_error(f"no value for a {r.describe()} needed by {func}")
         v = t.detach()
     return v
+
+
+#: What compiled programs call (``_plan_code``): the interpreter's own helpers.
+_RUNTIME: dict[str, Any] = {"load": _load, "check": _check, "rng": _rng.replay_with_state}

@@ -66,6 +66,15 @@ def _fill(a: Any, slot: Callable[[Ref], int]) -> Any:
     return ...
 
 
+class _End:
+    """The token that ends each op's part of a signature."""
+
+    __slots__ = ()
+
+
+_END = _End()
+
+
 def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
     """The structural key of ``record`` and its slots (one pass over its ops)."""
     refs: list[Ref] = []
@@ -79,12 +88,16 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
             refs.append(r)
         return s
 
-    # Hot loop (every replayed block, every step): per op, one flat tuple -- the op,
-    # (position, slot) of each ref argument, then (shape, dtype, device, root slot)
-    # of each output; the rare argument kinds go through ``_fill``.
+    # Hot loop (every replayed block, every step): one flat list of tokens; per op the
+    # op, (position, slot) of each ref argument, then (shape, dtype, device, root slot)
+    # of each output, ended by a token nothing else is (so the list reads back one way);
+    # the rare argument kinds go through ``_fill``.
     key: list[Hashable] = []
+    add, extend = key.append, key.extend
     for func, args, kwargs, rng, outs in record.ops:
-        k: list[Any] = [id(func), rng is None]  # an OpOverload hashes in Python; its Structure keeps it
+        # An OpOverload hashes in Python; its Structure keeps it. The arity: a compiled
+        # program passes the plain arguments one by one (``_plan_code``).
+        extend((id(func), rng is None, len(args)))
         for pos, a in enumerate(args):
             t = type(a)
             if t is Var or t is Input:
@@ -92,27 +105,28 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
                 if s is None:
                     s = of[id(a)] = len(refs)
                     refs.append(a)
-                k += (pos, s)
+                extend((pos, s))
             elif t is MetaArg or t is list:
                 how = _fill(a, slot)
                 if how is not ...:
-                    k += (pos, how)
-        for name, a in kwargs.items():
-            how = _fill(a, slot)
-            if how is not ...:
-                k += (name, how)
-        k.append(...)
+                    extend((pos, how))
+        if kwargs:
+            for name, a in kwargs.items():
+                how = _fill(a, slot)
+                if how is not ...:
+                    extend((name, how))
+        add(...)
         for v in outs:
             if v is None:
-                k.append(None)
+                add(None)
                 continue
             s = get(id(v))
             if s is None:
                 s = of[id(v)] = len(refs)
                 refs.append(v)
             b = v.base
-            k += (s, v.size, v.dtype, v.device, -1 if b is None else slot(b))
-        key.append(tuple(k))
+            extend((s, v.size, v.dtype, v.device, -1 if b is None else slot(b)))
+        add(_END)
     for s, r in enumerate(refs):  # the writes of each storage group, by root
         if r.writes and (type(r) is Input or r.base is None):  # type: ignore[union-attr]
             key.append((s, tuple(j for j, _ in r.writes)))
@@ -138,16 +152,19 @@ class Program:
     loaded before the first op, and per op of the plan which outputs to keep in the
     environment and which slots to free after it."""
 
-    __slots__ = ("plan", "loads", "steps", "targets", "frontier", "keep")
+    __slots__ = ("plan", "target", "loads", "steps", "targets", "frontier", "keep", "runs", "code")
 
-    def __init__(self) -> None:
+    def __init__(self, target: int) -> None:
         self.plan: tuple[int, ...] = ()
+        self.target = target  # the slot it rebuilds
         self.loads: tuple[tuple[int, int], ...] = ()  # (slot, op index that reads it first)
         # Per op of the plan: (op index, ((output index, slot, store in env), ...), slots to free).
         self.steps: tuple[tuple[int, tuple[tuple[int, int, bool], ...], tuple[int, ...]], ...] = ()
         self.targets: dict[int, list[int]] = {}  # slot -> positions in wanted it serves
         self.frontier: dict[int, list[int]] = {}  # slot -> positions in wanted whose replay reads it
         self.keep: frozenset[int] = frozenset()
+        self.runs = 0  # how often it was interpreted (C1 in ``_plan_code``)
+        self.code: dict[Hashable, Any] = {}  # its compiled forms (C2 in ``_plan_code``)
 
 
 class Structure:
@@ -163,6 +180,8 @@ class Structure:
         "meta",
         "funcs",
         "kernels",
+        "arity",
+        "random",
         "closures",
         "reads_of_memo",
     )
@@ -179,6 +198,8 @@ class Structure:
         self.outputs: list[tuple[tuple[int, int], ...]] = []  # per op: (output index, slot)
         self.funcs = [rec.func for rec in record.ops]  # alive while their ids are in the key
         self.kernels = [overload_kernel(f) for f in self.funcs]  # the callable each op runs
+        self.arity = [len(rec.args) for rec in record.ops]  # positional arguments per op
+        self.random = [rec.rng is not None for rec in record.ops]  # ops replayed with an RNG state
         for i, (_, args, kwargs, _, outs) in enumerate(record.ops):
             fills: list[Fill] = []
             read: list[int] = []
@@ -281,7 +302,7 @@ class Structure:
         return p
 
     def _program(self, plan: tuple[int, ...], target: int, wanted: tuple[int, ...]) -> Program:
-        p = Program()
+        p = Program(target)
         p.plan = plan
         in_plan = set(plan)
         for w, s in enumerate(wanted):
