@@ -27,6 +27,14 @@ running the same op eagerly under ``torch.no_grad()`` (``none/no_grad``), and it
 the cost a do-nothing ``TorchDispatchMode`` adds per op under no_grad
 (``nop_mode/no_grad - none/no_grad``) puts it on the same scale as the recording ratio.
 
+**Floors and the step.** ``kernel/replay_floor`` times the recorded kernel alone
+(``aten.mul.Tensor``'s C++ callable, below autograd with grad mode on: what a replay
+must call per op, with no bookkeeping); ``nop_mode/bwd`` the backward of the replay
+program run under a do-nothing mode (a graph recorded under any dispatch mode backs
+up more slowly: part of ``scope/bwd`` is that). ``scope/step`` and
+``checkpoint/step`` time the whole replay program, forward + backward: the tiny-op
+chain step.
+
 Rounds are interleaved (every configuration once per round, in rotated order); per
 configuration the median over rounds of the time per op is reported in microseconds,
 and the overhead ratios as the median over rounds of the per-round ratio.
@@ -161,6 +169,24 @@ def _configs(n: int, w: torch.Tensor, scopes: list[recompute_scope]) -> dict[str
     def checkpoint_replay_fwd(x):
         return checkpoint(_chain_times, x, w, n, use_reentrant=False)
 
+    def nop_replay_fwd(x):
+        with NopMode():
+            return _chain_times(x, w, n)
+
+    def scope_step(x):
+        scope_replay_fwd(x).sum().backward()
+
+    def checkpoint_step(x):
+        checkpoint_replay_fwd(x).sum().backward()
+
+    kernel = torch.ops.aten.mul.Tensor._op  # what a replay calls per op
+
+    def kernel_floor(x):
+        h = x.detach()
+        with torch._C._AutoDispatchBelowAutograd():
+            for _ in range(n):
+                h = kernel(h, 1.0001)
+
     return {
         "none/fwd": _whole(none_fwd),
         "nop_mode/fwd": _whole(nop_fwd),
@@ -177,6 +203,10 @@ def _configs(n: int, w: torch.Tensor, scopes: list[recompute_scope]) -> dict[str
         "none/bwd": _backward_only(none_replay_fwd),
         "scope/bwd": _backward_only(scope_replay_fwd),
         "checkpoint/bwd": _backward_only(checkpoint_replay_fwd),
+        "nop_mode/bwd": _backward_only(nop_replay_fwd),
+        "kernel/replay_floor": _whole(kernel_floor),
+        "scope/step": _whole(scope_step),
+        "checkpoint/step": _whole(checkpoint_step),
     }
 
 
@@ -245,6 +275,9 @@ def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[s
             "ratio_vs_nop_mode": statistics.median(rat) if rat else None,
         }
 
+    def per_round_ratio(num: str, den: str) -> float:
+        return statistics.median(a / b for a, b in zip(per_round[num], per_round[den]))
+
     ratios = {
         "scope/fwd": ratio("scope/fwd", "none/fwd", "nop_mode/fwd"),
         "sac/fwd": ratio("sac/fwd", "none/fwd", "nop_mode/fwd"),
@@ -276,7 +309,20 @@ def run_overhead(n_ops: int = 1000, rounds: int = 15, warmup: int = 2) -> dict[s
             "eager_no_grad_us_per_op": us["none/no_grad"],
             "nop_mode_no_grad_overhead_us_per_op": overhead_us["nop_mode/no_grad"],
             "scope_ops_replayed_per_backward": replayed,
+            # replay vs checkpoint's rerun, per op (median of per-round ratios), and the
+            # floor: the kernel alone vs checkpoint's rerun
+            "ratio_vs_checkpoint": statistics.median(
+                (a - b) / (c - b)
+                for a, b, c in zip(per_round["scope/bwd"], per_round["none/bwd"], per_round["checkpoint/bwd"])
+            ),
+            "floor_ratio_vs_checkpoint": statistics.median(
+                k / (c - b)
+                for k, b, c in zip(per_round["kernel/replay_floor"], per_round["none/bwd"], per_round["checkpoint/bwd"])
+            ),
+            "kernel_us_per_op": us["kernel/replay_floor"],
+            "mode_graph_bwd_us_per_op": delta("nop_mode/bwd", "none/bwd"),
         },
+        "step_ratio_vs_checkpoint": per_round_ratio("scope/step", "checkpoint/step"),
         "per_round_us_per_op": per_round,
     }
 
@@ -294,9 +340,7 @@ def format_overhead(res: dict[str, Any]) -> str:
     for k, v in res["us_per_op"].items():
         ov = res["overhead_us_per_op"].get(k)
         r = res["ratio_vs_nop_mode"].get(k)
-        lines.append(
-            f"| {k} | {v:.2f} | {'' if ov is None else f'{ov:+.2f}'} | {'' if r is None else f'{r:.2f}x'} |"
-        )
+        lines.append(f"| {k} | {v:.2f} | {'' if ov is None else f'{ov:+.2f}'} | {'' if r is None else f'{r:.2f}x'} |")
     rp = res.get("replay")
     if rp:
         lines += [
@@ -316,6 +360,17 @@ def format_overhead(res: dict[str, Any]) -> str:
                 f"| {region} | {v['recompute_us_per_op']:.2f} | {v['overhead_us_per_op']:+.2f} "
                 f"| {'' if r is None else f'{r:.2f}x'} |"
             )
+        if "ratio_vs_checkpoint" in rp:
+            lines += [
+                "",
+                f"replay vs checkpoint's rerun, per op: {rp['ratio_vs_checkpoint']:.2f}x; the kernel alone "
+                f"({rp['kernel_us_per_op']:.2f} us/op, below autograd) is {rp['floor_ratio_vs_checkpoint']:.2f}x; "
+                f"a graph recorded under a do-nothing mode backs up {rp['mode_graph_bwd_us_per_op']:+.2f} us/op "
+                "slower than plain's (counted in the scope's recomputation)",
+            ]
+    if "step_ratio_vs_checkpoint" in res:
+        step = res["step_ratio_vs_checkpoint"]
+        lines += ["", f"tiny-op chain step (forward + backward) vs checkpoint's: {step:.2f}x"]
     return "\n".join(lines)
 
 
