@@ -123,8 +123,10 @@ def _call(st: Structure, i: int, outputs: Any, program: Program) -> list[str]:
     kwargs = "r.kwargs" if not kw else "{**r.kwargs, " + ", ".join(f"{k!r}: {v}" for k, v in kw.items()) + "}"
     if st.random[i]:
         call = f"rng(r.rng, F{i}, ({args}{',' if args else ''}), {kwargs})"
-    else:
+    elif st.keywords[i]:
         call = f"K{i}({args}{', ' if args else ''}**{kwargs})"
+    else:  # no keyword argument in any record of this structure
+        call = f"K{i}({args})"
     if len(outputs) == 1 and outputs[0][0] == 0 and _one_tensor(st.funcs[i]):
         return [f"        {_name(outputs[0][1], outputs[0][2], program)} = {call}"]
     return [f"        o = {call}"]
@@ -144,7 +146,8 @@ def _outputs(st: Structure, i: int, outputs: Any, program: Program, debug: bool,
             lines.append(f"        check(F{i}, R[{s}], {v}, DV)")
         else:
             shape = "" if size is None else f" or {v}.shape != Z{s}"
-            cond = f"type({v}) is not T or {v}.dtype is not D{s}{shape} or {v}.device != V{s}"
+            place = f"not {v}.is_cpu" if device.type == "cpu" else f"{v}.device != V{s}"  # is_cpu: no device object
+            cond = f"type({v}) is not T or {v}.dtype is not D{s}{shape} or {place}"
             lines.append(f"        if {cond}: check(F{i}, R[{s}], {v}, DV)")
         if s in program.keep:
             lines.append(f"        P[{s}] = {v}")

@@ -95,9 +95,10 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
     key: list[Hashable] = []
     add, extend = key.append, key.extend
     for func, args, kwargs, rng, outs in record.ops:
-        # An OpOverload hashes in Python; its Structure keeps it. The arity: a compiled
-        # program passes the plain arguments one by one (``_plan_code``).
-        extend((id(func), rng is None, len(args)))
+        # An OpOverload hashes in Python; its Structure keeps it. The arity and the
+        # number of keyword arguments: a compiled program passes the plain arguments
+        # one by one, and keywords only to ops that have some (``_plan_code``).
+        extend((id(func), rng is None, len(args), len(kwargs)))
         for pos, a in enumerate(args):
             t = type(a)
             if t is Var or t is Input:
@@ -181,6 +182,7 @@ class Structure:
         "funcs",
         "kernels",
         "arity",
+        "keywords",
         "random",
         "closures",
         "reads_of_memo",
@@ -199,6 +201,7 @@ class Structure:
         self.funcs = [rec.func for rec in record.ops]  # alive while their ids are in the key
         self.kernels = [overload_kernel(f) for f in self.funcs]  # the callable each op runs
         self.arity = [len(rec.args) for rec in record.ops]  # positional arguments per op
+        self.keywords = [bool(rec.kwargs) for rec in record.ops]  # whether an op has keyword arguments
         self.random = [rec.rng is not None for rec in record.ops]  # ops replayed with an RNG state
         for i, (_, args, kwargs, _, outs) in enumerate(record.ops):
             fills: list[Fill] = []
