@@ -91,7 +91,13 @@ def compute_targets(main: dict[str, Any], overhead: dict[str, Any] | None, devic
             )
         step = overhead.get("step_ratio_vs_checkpoint")
         if step is not None:
-            add("tiny-op chain step (fwd+bwd) <= 1.15x torch checkpoint's", _x(step), step <= 1.15)
+            floor = overhead.get("step_floor_ratio_vs_checkpoint")
+            add(
+                "tiny-op chain step (fwd+bwd) <= 1.15x torch checkpoint's",
+                _x(step),
+                step <= 1.15,
+                "" if floor is None else f"floor for a dispatch-mode recorder: {floor:.2f}x",
+            )
     diffs = {k: v.get("grad_max_abs_diff") for k, v in s.items() if v.get("grad_max_abs_diff") is not None}
     if diffs:
         worst = max(diffs.values())
