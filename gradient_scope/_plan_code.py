@@ -119,11 +119,12 @@ def _call(st: Structure, i: int, outputs: Any, program: Program) -> list[str]:
             pos[where] = value
         else:
             kw[where] = value
-    args = ", ".join(pos.get(p, f"r.args[{p}]") for p in range(st.arity[i]))
+    arity, keywords, random = st.calls[i]
+    args = ", ".join(pos.get(p, f"r.args[{p}]") for p in range(arity))
     kwargs = "r.kwargs" if not kw else "{**r.kwargs, " + ", ".join(f"{k!r}: {v}" for k, v in kw.items()) + "}"
-    if st.random[i]:
+    if random:
         call = f"rng(r.rng, F{i}, ({args}{',' if args else ''}), {kwargs})"
-    elif st.keywords[i]:
+    elif keywords:
         call = f"K{i}({args}{', ' if args else ''}**{kwargs})"
     else:  # no keyword argument in any record of this structure
         call = f"K{i}({args})"

@@ -66,15 +66,6 @@ def _fill(a: Any, slot: Callable[[Ref], int]) -> Any:
     return ...
 
 
-class _End:
-    """The token that ends each op's part of a signature."""
-
-    __slots__ = ()
-
-
-_END = _End()
-
-
 def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
     """The structural key of ``record`` and its slots (one pass over its ops)."""
     refs: list[Ref] = []
@@ -88,17 +79,16 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
             refs.append(r)
         return s
 
-    # Hot loop (every replayed block, every step): one flat list of tokens; per op the
-    # op, (position, slot) of each ref argument, then (shape, dtype, device, root slot)
-    # of each output, ended by a token nothing else is (so the list reads back one way);
-    # the rare argument kinds go through ``_fill``.
+    # Hot loop (every replayed block, every step): per op, one flat tuple -- the op, its
+    # arity and number of keyword arguments (a compiled program passes plain arguments
+    # one by one, and keywords only to ops that have some: ``_plan_code``), (position,
+    # slot) of each ref argument, ``...``, then (slot, shape, dtype, device, root slot)
+    # of each output; the rare argument kinds go through ``_fill``.
     key: list[Hashable] = []
-    add, extend = key.append, key.extend
+    add = key.append
     for func, args, kwargs, rng, outs in record.ops:
-        # An OpOverload hashes in Python; its Structure keeps it. The arity and the
-        # number of keyword arguments: a compiled program passes the plain arguments
-        # one by one, and keywords only to ops that have some (``_plan_code``).
-        extend((id(func), rng is None, len(args), len(kwargs)))
+        k: list[Any] = [id(func), rng is None, len(args), len(kwargs)]  # an OpOverload hashes in Python
+        put = k.append
         for pos, a in enumerate(args):
             t = type(a)
             if t is Var or t is Input:
@@ -106,28 +96,31 @@ def signature(record: BlockRecord) -> tuple[Hashable, Slots]:
                 if s is None:
                     s = of[id(a)] = len(refs)
                     refs.append(a)
-                extend((pos, s))
+                put(pos)
+                put(s)
             elif t is MetaArg or t is list:
                 how = _fill(a, slot)
                 if how is not ...:
-                    extend((pos, how))
+                    put(pos)
+                    put(how)
         if kwargs:
             for name, a in kwargs.items():
                 how = _fill(a, slot)
                 if how is not ...:
-                    extend((name, how))
-        add(...)
+                    put(name)
+                    put(how)
+        put(...)
         for v in outs:
             if v is None:
-                add(None)
+                put(None)
                 continue
             s = get(id(v))
             if s is None:
                 s = of[id(v)] = len(refs)
                 refs.append(v)
             b = v.base
-            extend((s, v.size, v.dtype, v.device, -1 if b is None else slot(b)))
-        add(_END)
+            put((s, v.size, v.dtype, v.device, -1 if b is None else slot(b)))
+        add(tuple(k))
     for s, r in enumerate(refs):  # the writes of each storage group, by root
         if r.writes and (type(r) is Input or r.base is None):  # type: ignore[union-attr]
             key.append((s, tuple(j for j, _ in r.writes)))
@@ -181,9 +174,7 @@ class Structure:
         "meta",
         "funcs",
         "kernels",
-        "arity",
-        "keywords",
-        "random",
+        "calls",
         "closures",
         "reads_of_memo",
     )
@@ -200,9 +191,8 @@ class Structure:
         self.outputs: list[tuple[tuple[int, int], ...]] = []  # per op: (output index, slot)
         self.funcs = [rec.func for rec in record.ops]  # alive while their ids are in the key
         self.kernels = [overload_kernel(f) for f in self.funcs]  # the callable each op runs
-        self.arity = [len(rec.args) for rec in record.ops]  # positional arguments per op
-        self.keywords = [bool(rec.kwargs) for rec in record.ops]  # whether an op has keyword arguments
-        self.random = [rec.rng is not None for rec in record.ops]  # ops replayed with an RNG state
+        # Per op: (positional arguments, has keyword arguments, replayed with an RNG state).
+        self.calls = [(len(rec.args), bool(rec.kwargs), rec.rng is not None) for rec in record.ops]
         for i, (_, args, kwargs, _, outs) in enumerate(record.ops):
             fills: list[Fill] = []
             read: list[int] = []
