@@ -62,6 +62,7 @@ import torch._dynamo
 import torch._functorch.config as _functorch_config
 
 from ._compile_inputs import pin_reads_of_written_inputs
+from ._compile_versions import guard_input_versions
 from ._errors import check_bool
 from ._options import scopes_disabled
 from ._stats import ScopeStats
@@ -403,6 +404,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
     # whatever reads it is stored, never recomputed (in or out of the blocks).
     if tagged:
         pin_reads_of_written_inputs(gm, backward)
+        guard_input_versions(gm, backward)
     # Compile-time stats: block ops, and block tensors the backward graph reads.
     for node, entry in tagged:
         scope = entry.scope()

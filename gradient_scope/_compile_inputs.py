@@ -34,7 +34,7 @@ import torch
 
 from ._torch_compat import op_schema
 
-__all__ = ["written_inputs", "pin_reads_of_written_inputs"]
+__all__ = ["written_inputs", "pin_reads_of_written_inputs", "caller_locals", "is_alias"]
 
 # The AOTAutograd function that calls joint_custom_pass, and its local that holds
 # the metadata of the graph's (flattened, subclass-desugared) inputs.
@@ -42,17 +42,23 @@ _CALLER = "_partition_joint_graph_into_fw_bw"
 _META_LOCAL = "inner_meta"
 
 
-def _caller_input_info(max_depth: int = 8) -> list[Any] | None:
-    """``input_info`` of the graph being partitioned, from AOTAutograd's frame."""
+def caller_locals(function: str, max_depth: int = 8) -> dict[str, Any]:
+    """The locals of the nearest caller frame running ``function`` (an AOTAutograd
+    function that calls the joint-graph pass); empty where none is found."""
     frame: Any = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
-            return None
-        if frame.f_code.co_name == _CALLER:
-            info = getattr(frame.f_locals.get(_META_LOCAL), "input_info", None)
-            return list(info) if info is not None else None
+            return {}
+        if frame.f_code.co_name == function:
+            return dict(frame.f_locals)
         frame = frame.f_back
-    return None
+    return {}
+
+
+def _caller_input_info() -> list[Any] | None:
+    """``input_info`` of the graph being partitioned, from AOTAutograd's frame."""
+    info = getattr(caller_locals(_CALLER).get(_META_LOCAL), "input_info", None)
+    return list(info) if info is not None else None
 
 
 def _writes(node: torch.fx.Node) -> list[Any]:
@@ -87,7 +93,7 @@ def written_inputs(gm: torch.fx.GraphModule, input_info: list[Any] | None) -> se
     return found
 
 
-def _is_alias(node: torch.fx.Node) -> bool:
+def is_alias(node: torch.fx.Node) -> bool:
     schema = op_schema(node.target)
     if schema is None or not schema.returns:
         return False
@@ -111,7 +117,7 @@ def pin_reads_of_written_inputs(gm: torch.fx.GraphModule, backward: set[torch.fx
             seen.add(user)
             if source in _writes(user):
                 continue  # the write itself (copy_ at the end of the forward)
-            if _is_alias(user):
+            if is_alias(user):
                 stack.append(user)  # a view: its readers read the input
                 continue
             val = user.meta.get("val")

@@ -15,12 +15,13 @@ program is compared with eager only.
 """
 
 import contextlib
+import re
 
 import pytest
 import torch
 
 import gradient_scope._compile as gs_compile
-from gradient_scope import recompute_scope
+from gradient_scope import RecomputeError, recompute_scope
 
 pytestmark = pytest.mark.skipif(
     gs_compile._MISSING is not None,
@@ -234,11 +235,18 @@ def test_reads_of_unwritten_inputs_are_still_recomputed():
 # ------------------------------------------------------------------ (d) written after the forward
 
 
-def test_parameter_written_between_compiled_forward_and_backward_raises():
-    """The compiled backward recomputes from the parameter, which AOTAutograd saves with
-    autograd's version check: the write makes backward raise (autograd's in-place
-    error; not yet a RecomputeError that names the parameter, see docs/limitations.md),
-    never a gradient computed from the new value."""
+WRITTEN_AFTER_FORWARD = (
+    r"the backward of compiled code with a recompute_scope reads the parameter {name} of shape "
+    r"\[6, \d\] \(torch.float32\), which was modified in place after the compiled forward "
+    r"\(version (\d+) -> (\d+)\) and before backward. Likely cause: an optimizer step .* "
+    r"Fix: call optimizer.step\(\) after backward"
+)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_parameter_written_between_compiled_forward_and_backward_raises(backend):
+    """The compiled backward would recompute from the parameter: backward raises
+    RecomputeError naming it (not autograd's in-place error), and no gradient comes out."""
     lin = torch.nn.Linear(6, 6)
 
     def f(x):
@@ -247,11 +255,137 @@ def test_parameter_written_between_compiled_forward_and_backward_raises():
         return h * x
 
     x = torch.randn(6, 6, requires_grad=True)
-    y = torch.compile(f, backend="aot_eager")(x)
+    y = torch.compile(f, backend=backend, fullgraph=True)(x)
+    before = lin.weight._version
     with torch.no_grad():
         lin.weight.add_(1)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    with pytest.raises(RecomputeError, match=WRITTEN_AFTER_FORWARD.format(name=r"lin\.weight")) as info:
         y.sum().backward()
+    assert re.search(r"version (\d+) -> (\d+)", str(info.value)).groups() == (str(before), str(before + 1))
+    assert x.grad is None and lin.weight.grad is None
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        with recompute_scope():
+            h = torch.tanh(self.fc(x)) * 2
+        return self.out(h).sin()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_optimizer_step_between_compiled_forward_and_backward_raises(backend):
+    """An optimizer step (a write under no_grad) before backward: RecomputeError naming
+    the module's parameter; training in the right order then goes on as without the
+    scope (bitwise on aot_eager, which runs the same aten ops as eager)."""
+    torch.manual_seed(0)
+    net, ref = _Net(), _Net()
+    ref.load_state_dict(net.state_dict())
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    compiled = torch.compile(net, backend=backend, fullgraph=True)
+    x = torch.randn(4, 6)
+    y = compiled(x)
+    opt.step()  # no grads yet: SGD skips every parameter
+    y = compiled(x)
+    y.sum().backward()
+    opt.step()  # forward, backward, step: right
+    y = compiled(x)
+    opt.step()  # writes every parameter (grads from the previous step)
+    with pytest.raises(RecomputeError, match=WRITTEN_AFTER_FORWARD.format(name=r"self\.fc\.(weight|bias)")):
+        y.sum().backward()
+    ref_loss = ref(x).sum()
+    ref_loss.backward()
+    ref_opt.step()
+    ref.load_state_dict(net.state_dict())
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            if backend == "aot_eager":
+                assert torch.equal(p.grad, q.grad)
+            else:
+                torch.testing.assert_close(p.grad, q.grad)
+        opt.step()
+        ref_opt.step()
+
+
+def test_buffer_the_graph_writes_keeps_working():
+    """Inputs the graph writes (here BatchNorm's running statistics, in the block) are not
+    checked: their versions move in every call. Two steps match eager."""
+
+    def make(scoped):
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm1d(6)
+        lin = torch.nn.Linear(6, 6)
+
+        def f(x, b):
+            with ctx(scoped):
+                h = bn(lin(x) + b).sin()
+            return h * x
+
+        return f
+
+    check(make, args_x_buf)
+
+
+def test_input_written_after_the_forward_keeps_pytorchs_error():
+    """Only parameters and buffers are checked by the library: another input the block
+    read and that is written after the forward keeps autograd's own error."""
+
+    def f(x, b):
+        with recompute_scope():
+            h = (x @ b).sin()
+        return h * x
+
+    x, b = args_x_buf()
+    y = torch.compile(f, backend="aot_eager")(x, b)
+    b.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+        y.sum().backward()
+    assert not isinstance(info.value, RecomputeError)
+
+
+def test_inference_tensor_buffer_raises_in_forward():
+    with torch.inference_mode():
+        buf = torch.ones(6, 6)
+    lin = torch.nn.Linear(6, 6)
+    lin.register_buffer("scale", buf)
+
+    def f(x):
+        with recompute_scope():
+            h = (lin(x) * lin.scale).sin()
+        return h * x
+
+    with pytest.raises(RecomputeError, match=r"tensor lin\.scale of shape \[6, 6\] .* is an inference tensor"):
+        torch.compile(f, backend="aot_eager")(torch.randn(6, 6, requires_grad=True))
+
+
+def test_cuda_graphs_keep_pytorchs_check():
+    """A graph compiled for CUDA graphs (mode="reduce-overhead") would replay without
+    running the version ops: there the parameter keeps autograd's check."""
+    import torch._inductor.config as inductor_config
+
+    lin = torch.nn.Linear(6, 6)
+
+    def f(x):
+        with recompute_scope():
+            h = (x + lin.weight * 2).sin()
+        return h * x
+
+    x = torch.randn(6, 6, requires_grad=True)
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        y = torch.compile(f, backend="aot_eager")(x)
+    with torch.no_grad():
+        lin.weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+        y.sum().backward()
+    assert not isinstance(info.value, RecomputeError)
 
 
 def test_aotautograd_metadata_is_found(monkeypatch):
