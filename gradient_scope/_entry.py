@@ -56,7 +56,7 @@ from ._registry import _LIVE, Ledger, register
 from ._subclass import data_address, data_tensors, is_wrapper
 from ._torch_compat import current_graph_task, numeric_context
 
-__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen"]
+__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen", "has_tensor"]
 
 Tensor = torch.Tensor
 
@@ -194,7 +194,7 @@ class OpenBlock:
                     out.append(var if _version(t) == var.version else (unseen(self, var, t) or var))
                 else:
                     out.append(self.inputs.of(a, e))
-            elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+            elif (type(a) is list or type(a) is tuple) and has_tensor(a):
                 out.append([self.ref(x) if isinstance(x, Tensor) else x for x in a])
             else:
                 out.append(a)
@@ -242,7 +242,7 @@ class OpenBlock:
                 for k, a in kwargs.items():
                     if isinstance(a, Tensor):
                         a = self.ref(a)
-                    elif (type(a) is list or type(a) is tuple) and _has_tensor(a):
+                    elif (type(a) is list or type(a) is tuple) and has_tensor(a):
                         a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
                     rkwargs[k] = a
             except Unrecordable:
@@ -406,7 +406,8 @@ def _has_float(args: tuple[Any, ...]) -> bool:
     return False
 
 
-def _has_tensor(seq: Any) -> bool:
+def has_tensor(seq: Any) -> bool:
+    """Whether the list or tuple ``seq`` holds a tensor."""
     for x in seq:
         if isinstance(x, Tensor):
             return True

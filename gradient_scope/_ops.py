@@ -124,6 +124,7 @@ class OpFacts:
         "loose",
         "kernel",
         "func",
+        "view_of",
     )
 
     def __init__(self, func: Any) -> None:
@@ -165,9 +166,14 @@ class OpFacts:
         # ``dtype=None`` resolves the default dtype when the op runs: the
         # recorder fills in the dtype forward resolved.
         self.dtype_arg = any(a.name == "dtype" and a.kwarg_only for a in schema.arguments)
-        # Most ops: one fresh output, no writes, no randomness (the hot path).
+        # The recorder's hot path (``_recorder``) takes the ops with no writes, no randomness,
+        # no dtype to resolve and no context read, that return one Tensor: a fresh one
+        # (``view_of == -1``) or a view of the positional argument ``view_of``.
+        one_tensor = len(schema.returns) == 1 and schema.returns[0].type.kind() == "TensorType"
+        self.view_of = view_args[0] if kinds == [VIEW] and isinstance(view_args[0], int) else -1
         self.fast = (
-            self.outs == (NEW,)
+            one_tensor
+            and (self.outs == (NEW,) or self.view_of >= 0)
             and not self.writes
             and not self.seeded
             and not self.never_replay

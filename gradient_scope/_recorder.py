@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from . import _registry
-from ._entry import OpenBlock, Unrecordable, note_context, run_unrecorded, unseen
+from ._entry import OpenBlock, Unrecordable, has_tensor, note_context, run_unrecorded, unseen
 from ._errors import internal_error
 from ._ops import _FACTS, facts
-from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, OpRecord, Var, new_var
-from ._registry import _LIVE, register
+from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Input, OpRecord, Var
+from ._registry import _LIVE, on_death
 from ._torch_compat import (
     OpOverload,
     TorchDispatchMode,
@@ -66,12 +66,14 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     f = _FACTS_GET(id(func))
     if f is None:
         f = facts(func)
-    if kwargs or not f.fast or not block.frame.plain:
+    frame = block.frame
+    if kwargs or not f.fast or not frame.plain:
         return block.run_and_record(func, f, args, kwargs or NO_KWARGS)
-    # The hot path (most ops): positional arguments, one fresh output.
+    # The hot path (most ops): positional arguments, one Tensor output, fresh or a view
+    # (``OpenBlock.refs`` and ``_entry._new_var``, inlined: same records).
     owner = block.owner
     rargs: list[Any] = []
-    for a in args:  # OpenBlock.refs, inlined
+    for a in args:
         if isinstance(a, Tensor):
             e = _LIVE_GET(id(a))
             if e is not None and e.frame.owner is owner and e() is a:
@@ -88,7 +90,9 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
                 except Unrecordable:
                     return run_unrecorded(block, func, f, args, NO_KWARGS)
         elif type(a) is list or type(a) is tuple:
-            return block.run_and_record(func, f, args, NO_KWARGS)
+            if has_tensor(a):
+                return block.run_and_record(func, f, args, NO_KWARGS)
+            rargs.append(a)
         else:
             if (type(a) is float or type(a) is complex) and default_dtype() is not block.context[0]:
                 note_context(block)  # R9: type promotion reads the default dtype
@@ -96,16 +100,58 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     out = f.kernel(*args)
     ops = block.record.ops
     outs: tuple[Var, ...] = ()
-    if isinstance(out, Tensor) and (type(out) is Tensor or not out.is_nested):  # R8
+    if type(out) is Tensor or (isinstance(out, Tensor) and not out.is_nested):  # R8
         for a in args:
             if a is out:
                 break
         else:
-            var = new_var(out, len(ops), block.frame, None, 0)  # a fresh tensor has version 0
-            register(var)
-            outs = (var,)
+            outs = _hot_var(block, f, frame, out, rargs, len(ops))
     ops.append(_new_tuple(OpRecord, (func, rargs, NO_KWARGS, None, outs)))
     return out
+
+
+def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any], index: int) -> tuple[Var, ...]:
+    """``(var,)``: the registered Var of ``t``, the output of the hot path's op ``index``;
+    ``()`` if ``t`` is a block tensor already (``_record.new_var`` and
+    ``_registry.register``, inlined)."""
+    where = f.view_of
+    if where < 0:  # a fresh tensor: its own root, version 0
+        root = None
+        version = 0
+    else:
+        e = _LIVE_GET(id(t))
+        if e is not None and e() is t:
+            return ()  # not a new tensor
+        src = rargs[where] if where < len(rargs) else None
+        root = src.root if isinstance(src, (Var, Input)) else None
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            version = 0
+    v = Var(t, on_death)
+    v.key = key = id(t)
+    v.frame = frame
+    v.aliases = None
+    v.op = index
+    v.size = t.shape
+    v.dtype = t.dtype
+    v.device = t.device
+    v.version = version
+    if type(t) is Tensor:
+        try:
+            v.ptr = t.data_ptr()
+        except RuntimeError:  # no storage (sparse)
+            v.ptr = None
+    else:
+        v.ptr = None
+    v.base = root
+    v.writes = ()
+    if f.loose and type(root) is Var:
+        block.record.loose.setdefault(root, []).append(v)
+    if key not in _LIVE:  # _registry.register
+        _LIVE[key] = v
+        frame.ledger.born += 1  # type: ignore[union-attr]
+    return (v,)
 
 
 class Recorder(TorchDispatchMode):
