@@ -171,12 +171,14 @@ class OpenBlock:
         self.settle()
         self._count()
         record = self.record
-        _note_unseen(self)
         _note_escaped(record)
+        if aborted:
+            _note_unseen(self, [(v, t) for v in record.vars() if (t := _registry.tensor_of(v)) is not None])
+            _registry.forget(record.vars())
+        else:
+            _note_unseen(self, _registry.close_entries(record.vars()))  # type: ignore[arg-type]
         record.open = False
         self.inputs = _Inputs()
-        if aborted:
-            _registry.forget(self.record.vars())
 
     # -- arguments
 
@@ -365,15 +367,13 @@ def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
     return block.inputs.of(t, None)
 
 
-def _note_unseen(block: OpenBlock) -> None:
-    """R10 at block exit: the block's live tensors written unseen since their
-    last recorded read (values saved before such a write must not be rebuilt)."""
-    for rec in block.record.ops:
-        for var in rec.outs:
-            if var is not None:
-                t = _registry.tensor_of(var)
-                if t is not None and not t.is_inference() and t._version != var.version:
-                    unseen(block, var, t)
+def _note_unseen(block: OpenBlock, alive: list[tuple[Var, Tensor]]) -> None:
+    """R10 at block exit: the block's live tensors (``alive``: Vars with their
+    tensors) written unseen since their last recorded read (values saved before
+    such a write must not be rebuilt)."""
+    for var, t in alive:
+        if not t.is_inference() and t._version != var.version:
+            unseen(block, var, t)
 
 
 def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

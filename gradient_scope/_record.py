@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ._registry import Entry, Ledger, on_death, tensor_of
+from ._registry import Entry, Ledger, tensor_of
 from ._stats import ScopeStats
 from ._subclass import own_storage
 from ._torch_compat import NumericContext, alias_in_dispatch, neg_view, set_version
@@ -88,7 +88,7 @@ class Var(Entry):
 
 def new_var(t: Tensor, op: int, frame: Frame, root: Group | None, version: int) -> Var:
     """The Var of ``t``, made by op ``op`` (registered separately: ``_registry.register``)."""
-    v = Var(t, on_death)
+    v = Var(t)
     v.key = id(t)
     v.frame = frame
     v.aliases = None

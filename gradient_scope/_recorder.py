@@ -20,7 +20,7 @@ from ._entry import OpenBlock, Unrecordable, has_tensor, note_context, run_unrec
 from ._errors import internal_error
 from ._ops import _FACTS, facts
 from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Input, OpRecord, Var
-from ._registry import _LIVE, on_death
+from ._registry import _LIVE, register
 from ._torch_compat import (
     OpOverload,
     TorchDispatchMode,
@@ -112,8 +112,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
 
 def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any], index: int) -> tuple[Var, ...]:
     """``(var,)``: the registered Var of ``t``, the output of the hot path's op ``index``;
-    ``()`` if ``t`` is a block tensor already (``_record.new_var`` and
-    ``_registry.register``, inlined)."""
+    ``()`` if ``t`` is a block tensor already (``_record.new_var``, inlined)."""
     where = f.view_of
     if where < 0:  # a fresh tensor: its own root, version 0
         root = None
@@ -128,7 +127,7 @@ def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any]
             version = t._version
         except RuntimeError:  # inference tensors have no version counter
             version = 0
-    v = Var(t, on_death)
+    v = Var(t)  # no callback: _registry.close_entries
     v.key = key = id(t)
     v.frame = frame
     v.aliases = None
@@ -148,9 +147,11 @@ def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any]
     v.writes = ()
     if f.loose and type(root) is Var:
         block.record.loose.setdefault(root, []).append(v)
-    if key not in _LIVE:  # _registry.register
+    old = _LIVE_GET(key)  # _registry.register, inlined where no other thread can interfere:
+    if old is None or (old.frame.owner is block.owner and old() is None):  # a dead one of this block
         _LIVE[key] = v
-        frame.ledger.born += 1  # type: ignore[union-attr]
+    else:
+        register(v)
     return (v,)
 
 

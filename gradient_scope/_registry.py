@@ -1,19 +1,27 @@
 """Which live tensors blocks created.
 
 A process-wide map ``id(tensor) -> Entry`` identifies block tensors in the pack
-hook. It holds no tensor strongly: each :class:`Entry` is a weak reference whose
-callback removes it when the tensor dies. Each entry carries everything the
-pack hook needs (the tensor's record, its block, the serial of the scope entry
-that made it, the thread ledger it counts in), so nothing is reached through
-another module's objects.
+hook. It holds no tensor strongly: each :class:`Entry` is a weak reference.
+Each entry carries everything the pack hook needs (the tensor's record, its
+block, the serial of the scope entry that made it, the thread ledger it counts
+in), so nothing is reached through another module's objects.
+
+An entry has no callback (a Python call per dying tensor is a third of what
+recording costs per op): while its block is open, an entry whose tensor died
+stays in the map, dead, and every reader checks ``e() is t``. When the block
+closes (:func:`close_entries`) the dead ones are dropped and each one still
+alive is counted and gets a tracker, a weak reference whose callback
+(:func:`_died`) drops it when its tensor dies.
 
 Invariants:
 
 1. ``_LIVE[k] is e`` implies ``id(e()) == k`` while ``e()`` is alive; a dead
-   entry is removed by its callback (or by :func:`forget`) exactly once, and
-   only then is its ledger's ``died`` counted.
-2. A ledger's ``born`` is written by its own thread only (the recording
-   thread); ``died`` under ``_lock``, from whichever thread a tensor dies in.
+   entry stays only while its block is open (or until a tensor at the same
+   address is registered). An entry is counted (``born``) when its block
+   closes with its tensor alive, and its ledger's ``died`` when it is dropped
+   after that (by its tracker or by :func:`forget`): exactly once each.
+2. ``born`` and ``died`` are written under ``_lock``, ``died`` from whichever
+   thread a tensor dies in.
 3. When a ledger's live count reaches 0, every registered empty-listener is
    called once, in the thread where the last tensor died.
 """
@@ -33,7 +41,7 @@ __all__ = [
     "ledger",
     "add_empty_listener",
     "register",
-    "on_death",
+    "close_entries",
     "lookup",
     "forget",
     "note_alias",
@@ -79,10 +87,11 @@ def add_empty_listener(fn: Callable[[Ledger], None]) -> None:
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to a block tensor that knows its block: the recorder's
-    ``Var`` of the tensor is one. ``frame`` (the scope that made the tensor) gives
-    ``frame.owner`` (its block's replay state), ``frame.serial`` and
-    ``frame.ledger``. Compared and hashed by identity, not by referent."""
+    """A weak reference (made without a callback) to a block tensor that knows its
+    block: the recorder's ``Var`` of the tensor is one. ``frame`` (the scope that
+    made the tensor) gives ``frame.owner`` (its block's replay state),
+    ``frame.serial`` and ``frame.ledger``. Compared and hashed by identity, not by
+    referent."""
 
     __slots__ = ("key", "frame", "aliases")
 
@@ -101,20 +110,35 @@ class Entry(weakref.ref):  # type: ignore[type-arg]
 _LIVE: dict[int, Entry] = {}
 
 
+class _Tracker(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to the tensor of a counted ``entry``: its callback is the
+    tensor's death."""
+
+    __slots__ = ("entry",)
+
+    entry: Entry
+
+
+_TRACKED: dict[int, _Tracker] = {}  # by entry key: the trackers of counted entries
+
+
 def _notify(lg: Ledger) -> None:
     for fn in _empty_listeners:
         fn(lg)
 
 
-def on_death(entry: Entry) -> None:
-    """The callback of every Entry (pass it when creating one)."""
+def _died(tracker: _Tracker) -> None:
+    """The callback of every tracker: its entry's tensor died."""
     if _lock is None:  # interpreter shutdown: module globals are gone
         return
+    entry = tracker.entry
     with _lock:
         key = entry.key
-        if _LIVE.get(key) is not entry:
+        if _TRACKED.get(key) is not tracker:
             return  # forgotten already (invariant 1)
-        del _LIVE[key]
+        del _TRACKED[key]
+        if _LIVE.get(key) is entry:
+            del _LIVE[key]
         lg = entry.frame.ledger
         lg.died += 1
         empty = lg.born == lg.died
@@ -126,11 +150,39 @@ def register(entry: Entry) -> bool:
     """Record that ``entry``'s tensor is a live block tensor; False if it already is
     (an op returned an existing block tensor: the first record of it stands)."""
     key = entry.key
-    if key in _LIVE:
+    old = _LIVE.get(key)
+    if old is None:
+        _LIVE[key] = entry
+        return True
+    if old() is not None:
         return False
-    _LIVE[key] = entry
-    entry.frame.ledger.born += 1  # invariant 2: only the recording thread registers
+    with _lock:  # a dead entry of an open block at the same address (invariant 1)
+        old = _LIVE.get(key)
+        if old is not None and old() is not None:
+            return False
+        _LIVE[key] = entry
     return True
+
+
+def close_entries(entries: Sequence[Entry]) -> list[tuple[Entry, torch.Tensor]]:
+    """At the close of the block that made ``entries`` (in its thread): drop those
+    whose tensors died, count and track the others; returns them with their tensors."""
+    alive: list[tuple[Entry, torch.Tensor]] = []
+    with _lock:
+        for e in entries:
+            key = e.key
+            if _LIVE.get(key) is not e:
+                continue  # not registered, or forgotten
+            t = e()
+            if t is None:
+                del _LIVE[key]
+                continue
+            tracker = _Tracker(t, _died)
+            tracker.entry = e
+            _TRACKED[key] = tracker
+            e.frame.ledger.born += 1
+            alive.append((e, t))
+    return alive
 
 
 def lookup(t: torch.Tensor) -> Entry | None:
@@ -146,10 +198,15 @@ def forget(entries: Sequence[Entry]) -> None:
     emptied: list[Ledger] = []
     with _lock:
         for e in entries:
-            key, lg = e.key, e.frame.ledger
+            key = e.key
             if _LIVE.get(key) is not e:
                 continue
             del _LIVE[key]
+            tracker = _TRACKED.get(key)
+            if tracker is None or tracker.entry is not e:
+                continue  # not counted: its block is open
+            del _TRACKED[key]
+            lg = e.frame.ledger
             lg.died += 1
             if lg.born == lg.died:
                 emptied.append(lg)
