@@ -31,8 +31,9 @@ R9. Each op is recorded with the numeric context it ran under (the global flags
     its result may depend on: ``_torch_compat.numeric_context``). It is read when
     the block opens and when a nested scope enters, and re-read before ops that
     read such flags (``OpFacts.context``) and before ops with a Python float or
-    complex argument (type promotion reads the default dtype); a change starts a
-    new entry of the record's ``contexts``.
+    complex argument if the default dtype changed (type promotion reads it; the
+    only flag such an op reads); a change starts a new entry of the record's
+    ``contexts``.
 R10. A block tensor read at another version than the record can rebuild (a
     write the recorder did not see: a compiled function called in the block
     (R7), another thread) is read as an Input from then on: its value is kept,
@@ -54,11 +55,12 @@ from ._ops import INPLACE, NEW, VIEW, OpFacts
 from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
 from ._registry import _LIVE, Ledger, register
 from ._subclass import data_address, data_tensors, is_wrapper
-from ._torch_compat import current_graph_task, numeric_context
+from ._torch_compat import current_graph_task, default_dtype, numeric_context
 
 __all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen", "has_tensor"]
 
 Tensor = torch.Tensor
+_new_tuple = tuple.__new__
 
 
 class Unrecordable(Exception):
@@ -214,8 +216,8 @@ class OpenBlock:
     def run_and_record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
-        if f.context or _has_float(args):
-            note_context(self)
+        if f.context or (_has_float(args) and default_dtype() is not self.context[0]):
+            note_context(self)  # R9
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
@@ -252,7 +254,7 @@ class OpenBlock:
         rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
         pre = _before_writes(self, f, args, kwargs) if f.writes else None
 
-        out = func(*args, **kwargs)
+        out = f.kernel(*args, **kwargs)  # func(...) without OpOverload.__call__'s Python frame
 
         ops = self.record.ops
         index = len(ops)
@@ -269,7 +271,7 @@ class OpenBlock:
             outs = ()
         if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
             rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
-        ops.append(OpRecord(func, rargs, rkwargs, rng, outs))
+        ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
         return out
 
     @staticmethod

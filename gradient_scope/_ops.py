@@ -166,9 +166,9 @@ class OpFacts:
         # ``dtype=None`` resolves the default dtype when the op runs: the
         # recorder fills in the dtype forward resolved.
         self.dtype_arg = any(a.name == "dtype" and a.kwarg_only for a in schema.arguments)
-        # The recorder's hot path (``_recorder``) takes the ops with no writes, no randomness,
-        # no dtype to resolve and no context read, that return one Tensor: a fresh one
-        # (``view_of == -1``) or a view of the positional argument ``view_of``.
+        # The recorder's hot path (``_recorder``) takes the ops with no writes, no randomness
+        # and no dtype to resolve, that return one Tensor: a fresh one (``view_of == -1``)
+        # or a view of the positional argument ``view_of``.
         one_tensor = len(schema.returns) == 1 and schema.returns[0].type.kind() == "TensorType"
         self.view_of = view_args[0] if kinds == [VIEW] and isinstance(view_args[0], int) else -1
         self.fast = (
@@ -179,7 +179,6 @@ class OpFacts:
             and not self.never_replay
             and not self.meta_only
             and not self.dtype_arg
-            and not self.context
         )
 
     def out_kind(self, i: int) -> int:

@@ -71,6 +71,8 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         return block.run_and_record(func, f, args, kwargs or NO_KWARGS)
     # The hot path (most ops): positional arguments, one Tensor output, fresh or a view
     # (``OpenBlock.refs`` and ``_entry._new_var``, inlined: same records).
+    if f.context:
+        note_context(block)  # R9
     owner = block.owner
     rargs: list[Any] = []
     for a in args:

@@ -21,9 +21,15 @@ from gradient_scope._registry import _LIVE
 
 def _program(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Views of every kind the hot path takes (view, transpose, t, expand, the hidden
-    view ``_unsafe_view`` of a 3-D matmul), int-list arguments, a Python float."""
+    view ``_unsafe_view`` of a 3-D matmul), int-list arguments, a Python float, an op
+    that reads the numeric context (``mm``) under a changed one (R9)."""
     h = (x * 1.5).view(2, 3, 4)
-    h = h.transpose(1, 2) @ w  # (2, 4, 3) @ (3, 5): _unsafe_view
+    mkldnn = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = not mkldnn
+    try:
+        h = h.transpose(1, 2) @ w  # (2, 4, 3) @ (3, 5): view, mm, _unsafe_view
+    finally:
+        torch.backends.mkldnn.enabled = mkldnn
     h = h + h.t() if h.dim() == 2 else h + h.sum(0).expand(2, 4, 5)
     h = h.reshape(8, 5).t().contiguous().view(-1)
     return (h.sin() * h.view(5, 8)[1:].sum()).exp()
@@ -72,6 +78,8 @@ def test_hot_path_records_what_the_general_path_records():
     general, out_general = _record_of(lambda: _program(x, w), save=lambda func: False)
     assert any(rec.func is torch.ops.aten._unsafe_view.default for rec in hot.ops)
     assert hot.loose  # _unsafe_view's output has a version counter of its own
+    (_, first), (at, second) = hot.contexts  # the block's; from mm on, mkldnn flipped
+    assert hot.ops[at].func is torch.ops.aten.mm.default and first != second
     assert _structure(hot) == _structure(general)
     assert torch.equal(out_hot, out_general)
     g_hot = torch.autograd.grad(out_hot.sum(), (x, w))
