@@ -101,7 +101,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             rargs.append(a)
     out = f.kernel(*args)
     ops = block.record.ops
-    outs: tuple[Var, ...] = ()
+    outs: tuple[Var | None, ...] = ()
     if type(out) is Tensor or (isinstance(out, Tensor) and not out.is_nested):  # R8
         for a in args:
             if a is out:
@@ -112,9 +112,9 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     return out
 
 
-def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any], index: int) -> tuple[Var, ...]:
+def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any], index: int) -> tuple[Var | None, ...]:
     """``(var,)``: the registered Var of ``t``, the output of the hot path's op ``index``;
-    ``()`` if ``t`` is a block tensor already (``_record.new_var``, inlined)."""
+    ``(None,)`` if ``t`` is a block tensor already (``_record.new_var``, inlined)."""
     where = f.view_of
     if where < 0:  # a fresh tensor: its own root, version 0
         root = None
@@ -122,7 +122,7 @@ def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any]
     else:
         e = _LIVE_GET(id(t))
         if e is not None and e() is t:
-            return ()  # not a new tensor
+            return (None,)  # not a new tensor (as _entry._new_var says)
         src = rargs[where] if where < len(rargs) else None
         root = src.root if isinstance(src, (Var, Input)) else None
         try:
