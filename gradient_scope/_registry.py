@@ -6,8 +6,8 @@ Each entry carries everything the pack hook needs (the tensor's record, its
 block, the serial of the scope entry that made it, the thread ledger it counts
 in), so nothing is reached through another module's objects.
 
-An entry has no callback (a Python call per dying tensor is a third of what
-recording costs per op): while its block is open, an entry whose tensor died
+An entry has no callback (that would be a Python call for each tensor that dies,
+most of them inside their block): while its block is open, an entry whose tensor died
 stays in the map, dead, and every reader checks ``e() is t``. When the block
 closes (:func:`close_entries`) the dead ones are dropped and each one still
 alive is counted and gets a tracker, a weak reference whose callback
@@ -49,7 +49,10 @@ __all__ = [
     "value_in_memory",
 ]
 
-_lock = threading.Lock()
+# Reentrant: a garbage collection that runs while the lock is held (an allocation under
+# it) may kill a tracked tensor in a reference cycle, and its tracker's callback then
+# takes the lock in the same thread.
+_lock = threading.RLock()
 
 
 class Ledger:

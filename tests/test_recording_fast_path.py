@@ -9,6 +9,10 @@ the block must still count as a block tensor, and no dead entry may outlive the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import torch
@@ -117,3 +121,44 @@ def test_no_dead_registry_entry_outlives_its_block():
     assert [e for e in _LIVE.values() if e() is h]  # the live one stays a block tensor
     del h
     assert not [e for e in _LIVE.values() if isinstance(e, Var)]  # its tracker dropped it
+
+
+_COLLECTION_UNDER_LOCK = """
+import gc, torch
+from gradient_scope import recompute_scope, _registry
+x = torch.randn(4, requires_grad=True)
+gc.disable()
+with recompute_scope():
+    a = x * 2  # alive at the close: tracked
+cycle = [a]
+cycle.append(cycle)
+del a, cycle  # garbage in a reference cycle, for the collector
+
+
+class Collecting(_registry._Tracker):
+    __slots__ = ()
+
+    def __new__(cls, *args):
+        gc.collect()  # as an allocation under the registry's lock may: a's tracker fires
+        return super().__new__(cls, *args)
+
+
+_registry._Tracker = Collecting
+with recompute_scope():
+    b = x * 3
+assert not [e for e in _registry._LIVE.values() if e() is None]
+print("ok")
+"""
+
+
+def test_a_collection_while_the_registry_is_locked_does_not_deadlock():
+    # A tracker's callback takes the registry's lock; a garbage collection can run it in
+    # the thread that holds the lock (closing a block allocates the live tensors' trackers).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    code = textwrap.dedent(_COLLECTION_UNDER_LOCK)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("closing a block deadlocked on the registry's lock") from None
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
