@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradient_scope
 
@@ -66,7 +67,7 @@ __all__ = [
     "main",
 ]
 
-STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_attn_mlp", "scope_layer_savemm", "plain_again"]
+STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_attn_mlp", "scope_layer_savemm", "mode_layer", "plain_again"]
 SCOPE_STRATEGIES = ["scope_layer", "scope_attn_mlp", "scope_layer_savemm"]
 SWEEP_STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_attn_mlp"]
 
@@ -76,6 +77,7 @@ DESCRIPTIONS = {
     "scope_layer": "gradient_scope.apply_recompute(model, check_fn=<layer>)",
     "scope_attn_mlp": "apply_recompute on each attention and MLP submodule (ResNet: each residual branch)",
     "scope_layer_savemm": "apply_recompute(model, check_fn=<layer>, save=gradient_scope.save_matmuls)",
+    "mode_layer": "plain, each layer's forward under a do-nothing TorchDispatchMode (a dispatch-mode floor)",
     "plain_again": "plain on a second copy (A/A control: the noise floor of the ratios)",
 }
 
@@ -112,6 +114,10 @@ def apply_strategy(
             check_fn=is_layer,
         )
         return model
+    if name == "mode_layer":
+        for m in [m for m in model.modules() if is_layer(m)]:
+            m.forward = functools.partial(_under_nop_mode, m.forward)  # type: ignore[method-assign]
+        return model
     if name == "scope_layer":
         return gradient_scope.apply_recompute(model, check_fn=is_layer)
     if name == "scope_layer_savemm":
@@ -120,6 +126,16 @@ def apply_strategy(
         ids = {id(m) for m in parts}
         return gradient_scope.apply_recompute(model, check_fn=lambda m: id(m) in ids)
     raise ValueError(f"unknown strategy {name!r}; the strategies are {', '.join(STRATEGIES)}")
+
+
+class _NopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def _under_nop_mode(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with _NopMode():
+        return forward(*args, **kwargs)
 
 
 def _plain_name(name: str) -> str:
