@@ -228,13 +228,17 @@ class _Patch:
         self.owner, self.name, self.make = owner, name, make
         self.ours: Callable[..., Any] | None = None  # our patch, while it is in place
         self.inner: Callable[..., Any] | None = None  # what it replaced
+        # The last (function, our wrapper of it): the pair comes and goes every step, the
+        # function it wraps rarely changes.
+        self.made: tuple[Callable[..., Any], Callable[..., Any]] | None = None
 
     def install(self) -> None:
         current = getattr(self.owner, self.name)
         if self.ours is not None and _in_chain(current, self.ours):
             return  # still in place, possibly wrapped by someone else: inert until now
-        self.inner = current
-        self.ours = self.make(current)
+        if self.made is None or self.made[0] is not current:
+            self.made = (current, self.make(current))
+        self.inner, self.ours = self.made
         setattr(self.owner, self.name, self.ours)
 
     def remove(self) -> None:
