@@ -19,7 +19,7 @@ from . import _registry
 from ._entry import OpenBlock, Unrecordable, has_tensor, note_context, run_unrecorded, unseen
 from ._errors import internal_error
 from ._ops import _FACTS, facts
-from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Input, OpRecord, Var
+from ._record import NO_KWARGS, BlockOwner, BlockRecord, Frame, Input, OpRecord, Var, new_var
 from ._registry import _LIVE, register
 from ._torch_compat import (
     OpOverload,
@@ -114,7 +114,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
 
 def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any], index: int) -> tuple[Var | None, ...]:
     """``(var,)``: the registered Var of ``t``, the output of the hot path's op ``index``;
-    ``(None,)`` if ``t`` is a block tensor already (``_record.new_var``, inlined)."""
+    ``(None,)`` if ``t`` is a block tensor already."""
     where = f.view_of
     if where < 0:  # a fresh tensor: its own root, version 0
         root = None
@@ -129,26 +129,10 @@ def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any]
             version = t._version
         except RuntimeError:  # inference tensors have no version counter
             version = 0
-    v = Var(t)  # no callback: _registry.close_entries
-    v.key = key = id(t)
-    v.frame = frame
-    v.aliases = None
-    v.op = index
-    v.size = t.shape
-    v.dtype = t.dtype
-    v.device = t.device
-    v.version = version
-    if type(t) is Tensor:
-        try:
-            v.ptr = t.data_ptr()
-        except RuntimeError:  # no storage (sparse)
-            v.ptr = None
-    else:
-        v.ptr = None
-    v.base = root
-    v.writes = ()
+    v = new_var(t, index, frame, root, version)
     if f.loose and type(root) is Var:
         block.record.loose.setdefault(root, []).append(v)
+    key = v.key
     old = _LIVE_GET(key)  # _registry.register, inlined where no other thread can interfere:
     if old is None or (old.frame.owner is block.owner and old() is None):  # a dead one of this block
         _LIVE[key] = v

@@ -243,10 +243,9 @@ WRITTEN_AFTER_FORWARD = (
 )
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_parameter_written_between_compiled_forward_and_backward_raises(backend):
-    """The compiled backward would recompute from the parameter: backward raises
-    RecomputeError naming it (not autograd's in-place error), and no gradient comes out."""
+def _scoped_linear_program():
+    """A Linear and a function whose scope reads its weight (the compiled backward
+    recomputes from it)."""
     lin = torch.nn.Linear(6, 6)
 
     def f(x):
@@ -254,6 +253,14 @@ def test_parameter_written_between_compiled_forward_and_backward_raises(backend)
             h = (x + lin.weight * 2).sin()
         return h * x
 
+    return lin, f
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_parameter_written_between_compiled_forward_and_backward_raises(backend):
+    """The compiled backward would recompute from the parameter: backward raises
+    RecomputeError naming it (not autograd's in-place error), and no gradient comes out."""
+    lin, f = _scoped_linear_program()
     x = torch.randn(6, 6, requires_grad=True)
     y = torch.compile(f, backend=backend, fullgraph=True)(x)
     before = lin.weight._version
@@ -371,13 +378,7 @@ def test_cuda_graphs_keep_pytorchs_check():
     running the version ops: there the parameter keeps autograd's check."""
     import torch._inductor.config as inductor_config
 
-    lin = torch.nn.Linear(6, 6)
-
-    def f(x):
-        with recompute_scope():
-            h = (x + lin.weight * 2).sin()
-        return h * x
-
+    lin, f = _scoped_linear_program()
     x = torch.randn(6, 6, requires_grad=True)
     with inductor_config.patch({"triton.cudagraphs": True}):
         y = torch.compile(f, backend="aot_eager")(x)
