@@ -17,10 +17,12 @@ import argparse
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ._harness.timing import interleaved_rounds
 from .hf_zoo import build
 from .models import apply_strategy
 
@@ -31,29 +33,33 @@ STRATEGIES = ["plain", "checkpoint", "scope_layer", "mode_layer"]
 
 def time_fwd_bwd(model: str, size: str = "full", rounds: int = 7, seed: int = 0) -> dict[str, dict[str, float]]:
     """``{strategy: {"fwd_ms": ..., "bwd_ms": ...}}``: medians of ``rounds`` interleaved rounds
-    (after two warm-up steps each)."""
+    (after two warm-up rounds)."""
     runs: dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
     for name in STRATEGIES:
         b = build(model, size, seed=seed)
         runs[name] = (apply_strategy(b.model, name, b.is_layer, b.parts_of(b.model)), b.batch)
 
-    def step(name: str) -> tuple[float, float]:
-        m, batch = runs[name]
-        t0 = time.perf_counter()
-        loss = m(**batch).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        m.zero_grad(set_to_none=True)
-        return t1 - t0, t2 - t1
-
-    for name in STRATEGIES:
-        step(name)
-        step(name)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in STRATEGIES}
-    for r in range(rounds):
-        for name in STRATEGIES[r % len(STRATEGIES) :] + STRATEGIES[: r % len(STRATEGIES)]:
-            times[name].append(step(name))
+
+    def stepper(name: str) -> Callable[[], float]:
+        def step() -> float:  # notes (forward, backward) in ``times``; returns the whole step
+            m, batch = runs[name]
+            t0 = time.perf_counter()
+            loss = m(**batch).loss
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            m.zero_grad(set_to_none=True)
+            times[name].append((t1 - t0, t2 - t1))
+            return t2 - t0
+
+        return step
+
+    steps = {name: stepper(name) for name in STRATEGIES}
+    interleaved_rounds(steps, 2)  # warm-up
+    for v in times.values():
+        v.clear()
+    interleaved_rounds(steps, rounds)
     return {
         name: {
             "fwd_ms": statistics.median(f for f, _ in v) * 1e3,

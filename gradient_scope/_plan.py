@@ -172,10 +172,10 @@ def replay(
     program = st.program(st.closure(t, available), t, tuple(of[id(n)] for n, _ in wanted))
     starts = tuple(i for i, _ in record.contexts)
     code = compiled(st, program, starts, bool(record.debug_values), _RUNTIME)
-    if code is None:
-        value, produced = _run(record, st, slots, program, t, cache)
-    else:
-        with without_autocast(), _Contexts(record.contexts) as contexts:
+    with without_autocast(), _Contexts(record.contexts) as contexts:
+        if code is None:
+            value, produced = _run(record, st, slots, program, t, cache, contexts)
+        else:
             value, produced = code(record.ops, slots.refs, cache, contexts, record.debug_values)
     stats = target.frame.stats
     stats.replays += 1
@@ -211,11 +211,18 @@ def _arguments(rec: OpRecord, fills: tuple[Fill, ...], env: list[Any]) -> tuple[
 
 
 def _run(
-    record: BlockRecord, st: Structure, slots: Slots, program: Program, t: int, cache: dict[Key, Tensor]
+    record: BlockRecord,
+    st: Structure,
+    slots: Slots,
+    program: Program,
+    t: int,
+    cache: dict[Key, Tensor],
+    contexts: _Contexts,
 ) -> tuple[Tensor, dict[int, Tensor]]:
-    """Run ``program``; return ``target``'s value and the values of its kept slots (as
-    they stand at the end, for groups written to). A value is held in the environment
-    only until its last reader has run."""
+    """Run ``program`` (the interpreter; ``contexts`` entered by the caller); return
+    ``target``'s value and the values of its kept slots (as they stand at the end, for
+    groups written to). A value is held in the environment only until its last reader
+    has run."""
     ops, refs, fills, positional, meta = record.ops, slots.refs, st.fills, st.positional, st.meta
     kernels, keep = st.kernels, program.keep
     env: list[Any] = [None] * len(refs)
@@ -224,47 +231,46 @@ def _run(
     debug_values = record.debug_values
     produced: dict[int, Tensor] = {}
     result: Tensor | None = None
-    with without_autocast(), _Contexts(record.contexts) as contexts:
-        for i, outputs, frees in program.steps:
-            contexts.at(i)
-            rec = ops[i]
-            func, rng = rec.func, rec.rng
-            simple = positional[i]
-            if simple is not None:
-                args, kwargs = rec.args.copy(), rec.kwargs
-                for pos, s in simple:
-                    args[pos] = env[s]
+    for i, outputs, frees in program.steps:
+        contexts.at(i)
+        rec = ops[i]
+        func, rng = rec.func, rec.rng
+        simple = positional[i]
+        if simple is not None:
+            args, kwargs = rec.args.copy(), rec.kwargs
+            for pos, s in simple:
+                args[pos] = env[s]
+        else:
+            args, kwargs = _arguments(rec, fills[i], env)
+        try:
+            if rng is None:
+                out = kernels[i](*args, **kwargs)
             else:
-                args, kwargs = _arguments(rec, fills[i], env)
-            try:
-                if rng is None:
-                    out = kernels[i](*args, **kwargs)
-                else:
-                    out = _rng.replay_with_state(rng, func, args, kwargs)
-            except RecomputeError:
-                raise
-            except Exception as e:
-                raise failed(func, e) from e
-            del args, kwargs
-            for k, s, store in outputs:
-                v = out if k == 0 and isinstance(out, Tensor) else out[k]
-                size, dtype, device = meta[s]
-                if (
-                    type(v) is not Tensor
-                    or v.dtype != dtype
-                    or (size is not None and v.shape != size)
-                    or v.device != device
-                    or debug_values
-                ):
-                    _check(func, refs[s], v, debug_values)  # type: ignore[arg-type]
-                if s == t:
-                    result = v
-                if store:
-                    env[s] = v
-                if s in keep:
-                    produced[s] = v
-            for s in frees:
-                env[s] = None
+                out = _rng.replay_with_state(rng, func, args, kwargs)
+        except RecomputeError:
+            raise
+        except Exception as e:
+            raise failed(func, e) from e
+        del args, kwargs
+        for k, s, store in outputs:
+            v = out if k == 0 and isinstance(out, Tensor) else out[k]
+            size, dtype, device = meta[s]
+            if (
+                type(v) is not Tensor
+                or v.dtype != dtype
+                or (size is not None and v.shape != size)
+                or v.device != device
+                or debug_values
+            ):
+                _check(func, refs[s], v, debug_values)  # type: ignore[arg-type]
+            if s == t:
+                result = v
+            if store:
+                env[s] = v
+            if s in keep:
+                produced[s] = v
+        for s in frees:
+            env[s] = None
     if result is None:
         internal_error(f"replay did not produce the value of slot {t}")
     return result, produced

@@ -80,8 +80,10 @@ def _compile(st: Structure, program: Program, starts: tuple[int, ...], debug: bo
             context = j
         lines += [f"        i = {i}", f"        r = O[{i}]"]
         names[f"F{i}"], names[f"K{i}"] = st.funcs[i], st.kernels[i]
-        lines += _call(st, i, outputs, program)
-        lines += _outputs(st, i, outputs, program, debug, names)
+        # One Tensor result that is output 0: the call binds it directly, no ``o``.
+        direct = len(outputs) == 1 and outputs[0][0] == 0 and _one_tensor(st.funcs[i])
+        lines.append(f"        {_name(outputs[0][1], outputs[0][2], program) if direct else 'o'} = {_call(st, i)}")
+        lines += _outputs(st, i, outputs, program, debug, names, direct)
         if frees[i]:
             lines.append(f"        del {', '.join(f'v{s}' for s in frees[i])}")
     lines += [
@@ -103,8 +105,8 @@ def _context_at(starts: tuple[int, ...], i: int) -> int:
     return j if starts else -1
 
 
-def _call(st: Structure, i: int, outputs: Any, program: Program) -> list[str]:
-    """The line that runs op ``i`` (its result in ``o``, or directly in its one output)."""
+def _call(st: Structure, i: int) -> str:
+    """The expression that runs op ``i``."""
     pos: dict[int, str] = {}
     kw: dict[str, str] = {}
     for where, how in st.fills[i]:
@@ -128,15 +130,14 @@ def _call(st: Structure, i: int, outputs: Any, program: Program) -> list[str]:
         call = f"K{i}({args}{', ' if args else ''}**{kwargs})"
     else:  # no keyword argument in any record of this structure
         call = f"K{i}({args})"
-    if len(outputs) == 1 and outputs[0][0] == 0 and _one_tensor(st.funcs[i]):
-        return [f"        {_name(outputs[0][1], outputs[0][2], program)} = {call}"]
-    return [f"        o = {call}"]
+    return call
 
 
-def _outputs(st: Structure, i: int, outputs: Any, program: Program, debug: bool, names: dict[str, Any]) -> list[str]:
-    """Lines that bind, check (P5) and keep (P4) op ``i``'s outputs."""
+def _outputs(
+    st: Structure, i: int, outputs: Any, program: Program, debug: bool, names: dict[str, Any], direct: bool
+) -> list[str]:
+    """Lines that bind (unless ``direct``), check (P5) and keep (P4) op ``i``'s outputs."""
     lines = []
-    direct = len(outputs) == 1 and outputs[0][0] == 0 and _one_tensor(st.funcs[i])
     for k, s, store in outputs:
         v = _name(s, store, program)
         if not direct:

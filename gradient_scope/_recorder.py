@@ -132,12 +132,7 @@ def _hot_var(block: OpenBlock, f: Any, frame: Frame, t: Tensor, rargs: list[Any]
     v = new_var(t, index, frame, root, version)
     if f.loose and type(root) is Var:
         block.record.loose.setdefault(root, []).append(v)
-    key = v.key
-    old = _LIVE_GET(key)  # _registry.register, inlined where no other thread can interfere:
-    if old is None or (old.frame.owner is block.owner and old() is None):  # a dead one of this block
-        _LIVE[key] = v
-    else:
-        register(v)
+    register(v)
     return (v,)
 
 
