@@ -6,23 +6,24 @@ they are recomputed from a record of the block's ops when backward needs them.
 
 # First: raises ImportError naming the torch floor before any module below touches
 # torch's private APIs.
-from . import _torch_floor  # noqa: F401
+from ._base import torch_floor as _torch_floor  # noqa: F401
 
 # isort: split
 
 from typing import Any
 
-from . import _fsdp, _scope
-from ._budget import Budget
-from ._checkpoint import checkpoint
-from ._errors import RecomputeError
-from ._helpers import apply_recompute, recompute_sequential, remove_recompute
-from ._model_stats import ModelStats, model_stats
-from ._options import disabled
-from ._report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
-from ._scope import recompute, recompute_scope
-from ._stats import ScopeStats
-from ._version import __version__ as __version__
+from ._adapters import fsdp as _fsdp
+from ._api import scope as _scope
+from ._api.checkpoint import checkpoint
+from ._api.helpers import apply_recompute, recompute_sequential, remove_recompute
+from ._api.model_stats import ModelStats, model_stats
+from ._api.scope import recompute, recompute_scope
+from ._base.errors import RecomputeError
+from ._base.options import disabled
+from ._base.stats import ScopeStats
+from ._base.version import __version__ as __version__
+from ._budget.budget import Budget
+from ._report.report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from .policies import save_any, save_attention, save_matmuls, save_nothing
 
 # The adapters, registered with the core (see docs/internals.md). FSDP2: brings back
@@ -31,9 +32,9 @@ _fsdp.install()
 
 
 def _traced_block(*args: Any, **options: Any) -> Any:
-    """``recompute_scope(...)`` while dynamo traces (``_compile``, which imports
+    """``recompute_scope(...)`` while dynamo traces (``_adapters.compile.graph``, which imports
     ``torch._dynamo``, is imported only then)."""
-    from . import _compile
+    from ._adapters.compile import graph as _compile
 
     return _compile.traced_block(*args, **options)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import OpOverload, OpOverloadPacket, op_overload_name, op_qualified_name, op_schema
+from ._base.torch_compat import OpOverload, OpOverloadPacket, op_overload_name, op_qualified_name, op_schema
 
 __all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any", "as_save_policy"]
 

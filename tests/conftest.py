@@ -127,7 +127,7 @@ def _put_back(before):
         torch._C._pop_torch_dispatch_mode()
     if top_hooks() != before["saved_tensors_hooks"]:
         with contextlib.suppress(Exception):
-            from gradient_scope import _interception
+            from gradient_scope._save import interception as _interception
 
             _interception.sweep()
     while top_hooks() is not None and top_hooks() != before["saved_tensors_hooks"]:
@@ -170,7 +170,7 @@ def global_state_as_found():
         pytest.fail(f"test left global state changed:\nbefore={before}\nafter={after}", pytrace=False)
     if patched != _BASELINE_PATCHED[0]:
         with contextlib.suppress(Exception):  # (so that the failure does not spread)
-            from gradient_scope import _interception
+            from gradient_scope._save import interception as _interception
 
             _interception.sweep()
         pytest.fail(

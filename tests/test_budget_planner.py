@@ -1,4 +1,4 @@
-"""The memory-budget planner on hand-made blocks (``gradient_scope._planner``, rules K1..B5).
+"""The memory-budget planner on hand-made blocks (``gradient_scope._budget.planner``, rules K1..B5).
 
 No tensors here: each block is a small op graph written out by hand, so every expected
 choice can be checked on paper.
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gradient_scope._planner import BlockGraph, Candidate, Chain, build_chain, choose, recompute_cost
+from gradient_scope._budget.planner import BlockGraph, Candidate, Chain, build_chain, choose, recompute_cost
 
 
 def graph(costs, reads, saved, cuttable=None, needs=None, label="b"):

@@ -54,3 +54,20 @@ def test_module_class_and_function_sizes(path):
     sizes = _sizes(path, str(path.relative_to(PACKAGE.parent)))
     over = [f"{kind} {name}: {n} code lines (limit {LIMITS[kind]})" for kind, name, n in sizes if n > LIMITS[kind]]
     assert not over, "\n".join(over)
+
+
+def test_the_top_of_the_package_holds_at_most_twelve_entries():
+    # One room per stage (docs/internals.md): a new module goes into the room of its stage.
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 12, entries
+
+
+def test_each_package_docstring_names_its_modules():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        if init.parent == PACKAGE:
+            continue
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        modules = sorted(p.stem for p in init.parent.iterdir() if p.suffix == ".py" and p.stem != "__init__")
+        modules += sorted(p.name for p in init.parent.iterdir() if (p / "__init__.py").exists())
+        missing = [m for m in modules if f"``{m}``" not in doc]
+        assert not missing, f"{init.relative_to(PACKAGE.parent)}: the docstring does not name {missing}"

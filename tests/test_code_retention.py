@@ -9,7 +9,8 @@ from typing import Any
 
 import torch._functorch.aot_autograd  # noqa: F401  (loads the AOT runtime the check looks for)
 
-from gradient_scope import _report_where, _torch_compat
+from gradient_scope._base import torch_compat as _torch_compat
+from gradient_scope._report import where as _report_where
 
 
 def _fresh_function() -> Callable[[Callable[[Any], Any]], Any]:

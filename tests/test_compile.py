@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import gradient_scope._compile as gs_compile
+import gradient_scope._adapters.compile.graph as gs_compile
 from gradient_scope import recompute_scope
 
 from conftest import assert_stacks_clean, grads

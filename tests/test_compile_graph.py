@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import gradient_scope._compile as gs_compile
+import gradient_scope._adapters.compile.graph as gs_compile
 from gradient_scope import apply_recompute, recompute, recompute_scope, save_matmuls
 
 BACKENDS = ["aot_eager", "inductor"]

@@ -5,7 +5,7 @@ AOTAutograd applies a graph's writes to its inputs when the compiled forward end
 sees the *new* values. A block tensor recomputed there from such an input would be
 computed from the wrong value (a read before the write) or get the write twice (a write
 in the block). The joint-graph pass stores whatever reads a written input instead
-(gradient_scope/_compile_inputs.py).
+(gradient_scope/_adapters/compile/inputs.py).
 
 Reference: the same program without the scope, eager (ground truth) and compiled the
 same way (within compile's float tolerance: the partition differs). Where plain compile
@@ -20,7 +20,7 @@ import re
 import pytest
 import torch
 
-import gradient_scope._compile as gs_compile
+import gradient_scope._adapters.compile.graph as gs_compile
 from gradient_scope import RecomputeError, recompute_scope
 
 pytestmark = pytest.mark.skipif(
@@ -394,7 +394,7 @@ def test_aotautograd_metadata_is_found(monkeypatch):
     only from its metadata, read from its partitioning step's frame: on this torch the
     frame must be found (otherwise test_block_writes_an_argument_that_requires_grad
     would fail, and docs/limitations.md says what is lost)."""
-    import gradient_scope._compile_inputs as gs_inputs
+    import gradient_scope._adapters.compile.inputs as gs_inputs
 
     seen = []
     real = gs_inputs.written_inputs

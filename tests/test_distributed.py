@@ -138,7 +138,7 @@ class _Probe:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        import gradient_scope._fsdp as gs_fsdp
+        import gradient_scope._adapters.fsdp as gs_fsdp
 
         self.groups = []
         self.events = []

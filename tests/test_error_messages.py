@@ -213,7 +213,7 @@ def test_scope_entry_cost(capsys):
     def getframe(n):
         t0 = time.perf_counter()
         for _ in range(n):
-            gradient_scope._scope._caller_site()
+            gradient_scope._api.scope._caller_site()
         return (time.perf_counter() - t0) / n
 
     enter_exit(200)

@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, reject, settin
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-import gradient_scope._compile as gs_compile
+import gradient_scope._adapters.compile.graph as gs_compile
 from gradient_scope import RecomputeError, recompute_scope
 
 from conftest import dispatch_depth, top_hooks

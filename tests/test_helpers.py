@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gradient_scope
-import gradient_scope._helpers as helpers_module
+import gradient_scope._api.helpers as helpers_module
 from gradient_scope import (
     apply_recompute,
     recompute_scope,

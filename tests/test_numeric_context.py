@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope import RecomputeError, recompute_scope
-from gradient_scope._torch_compat import numeric_context, set_numeric_context
+from gradient_scope._base.torch_compat import numeric_context, set_numeric_context
 
 from conftest import DEVICES, PlainScopes, Scopes, assert_all_same, grads
 

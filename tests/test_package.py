@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gradient_scope
-from gradient_scope import _torch_floor
+from gradient_scope._base import torch_floor as _torch_floor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR = "{}.{}".format(*_torch_floor.TORCH_FLOOR)
@@ -107,13 +107,13 @@ def test_import_raises_below_the_floor_and_works_at_it():
 
 
 def test_version_has_one_source():
-    from gradient_scope._version import __version__
+    from gradient_scope._base.version import __version__
 
     assert gradient_scope.__version__ == __version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
     text = _pyproject()
     assert 'dynamic = ["version"]' in text
-    assert 'version = { attr = "gradient_scope._version.__version__" }' in text
+    assert 'version = { attr = "gradient_scope._base.version.__version__" }' in text
     project_table = text.split("\n[project]\n", 1)[1].split("\n[", 1)[0]
     assert not re.search(r"^version\s*=", project_table, re.MULTILINE), "a literal version in [project]"
 

@@ -12,7 +12,9 @@ import weakref
 import pytest
 import torch
 
-from gradient_scope import _structure, recompute_scope
+from gradient_scope import recompute_scope
+from gradient_scope._record import signature as _signature
+from gradient_scope._restore import structure as _structure
 
 from conftest import Transformer, dead, grads, run_both, stat
 
@@ -79,10 +81,10 @@ def _block_key(fn, *inputs):
     real = _structure.structure_of
 
     def spy(record):
-        seen.append(_structure.signature(record)[0])
+        seen.append(_signature.signature(record)[0])
         return real(record)
 
-    import gradient_scope._plan as plan
+    import gradient_scope._restore.replay as plan
 
     plan.structure_of = spy
     try:

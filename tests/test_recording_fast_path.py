@@ -1,4 +1,4 @@
-"""The recorder's hot path (``_recorder``) and the registry's deferred deaths (``_registry``).
+"""The recorder's hot path (``_record.recorder``) and the registry's deferred deaths (``_record.registry``).
 
 The hot path records fresh-output and single-view ops without ``OpenBlock.run_and_record``;
 its records must be those the general path makes (a scope with a ``save=`` policy always
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from gradient_scope import recompute_scope
-from gradient_scope._record import BlockRecord, Input, Var
-from gradient_scope._recorder import innermost
-from gradient_scope._registry import _LIVE
+from gradient_scope._record.recorder import innermost
+from gradient_scope._record.registry import _LIVE
+from gradient_scope._record.types import BlockRecord, Input, Var
 
 
 def _program(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,8 @@ def test_no_dead_registry_entry_outlives_its_block():
 
 _COLLECTION_UNDER_LOCK = """
 import gc, torch
-from gradient_scope import recompute_scope, _registry
+from gradient_scope import recompute_scope
+from gradient_scope._record import registry as _registry
 x = torch.randn(4, requires_grad=True)
 gc.disable()
 with recompute_scope():

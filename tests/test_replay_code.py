@@ -1,4 +1,4 @@
-"""Compiled replay (docs/internals.md, ``_plan_code`` C1, C2): a program that runs again
+"""Compiled replay (docs/internals.md, ``_restore.codegen`` C1, C2): a program that runs again
 is compiled into straight-line Python, which must do what the interpreter does --
 same values (bitwise), same checks and errors, same memory.
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, reject, settings
 
-import gradient_scope._plan as plan
-import gradient_scope._plan_code as plan_code
+import gradient_scope._restore.codegen as plan_code
+import gradient_scope._restore.replay as plan
 from gradient_scope import RecomputeError, recompute_scope
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,7 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import gradient_scope
-from gradient_scope import SavedTensorsReport, SavedTensorsRow, _pack, recompute_scope, saved_tensors_report
+from gradient_scope import SavedTensorsReport, SavedTensorsRow, recompute_scope, saved_tensors_report
+from gradient_scope._save import pack as _pack
 
 from conftest import RecordingHooks, assert_interception_gone, top_hooks
 

@@ -44,7 +44,7 @@ def _grads(fn):
 def _scoped_ops(decorated, *args):
     """Whether calling ``decorated`` recorded its ops in a scope (a handle was packed)."""
     packed = []
-    remove = gradient_scope._pack.add_pack_listener(lambda t, h: packed.append(h))
+    remove = gradient_scope._save.pack.add_pack_listener(lambda t, h: packed.append(h))
     try:
         decorated(*args).backward()
     finally:

@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover (transformers is in the test extra)
         "gradient_scope.integrations.transformers needs Hugging Face transformers (pip install 'transformers>=5.20')"
     ) from e
 
-from .._helpers import apply_recompute
+from .._api.helpers import apply_recompute
 
 __all__ = ["enable", "disable"]
 

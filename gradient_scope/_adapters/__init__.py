@@ -1,0 +1,9 @@
+"""Adapters: the core under other PyTorch machinery, registered by the package's ``__init__``.
+
+- ``compile`` -- ``torch.compile``: a scope in traced code becomes an annotation of the
+  graph that a joint-graph pass turns into recompute tags, with the checks of graph
+  inputs and parameters written between forward and backward.
+- ``fsdp`` -- FSDP2: gathers the parameters a replay reads when FSDP2 has freed them.
+
+Private torch APIs beyond ``_base.torch_compat`` are allowed only here.
+"""

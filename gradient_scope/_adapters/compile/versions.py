@@ -1,0 +1,227 @@
+"""Parameters written between a compiled forward and its backward: a RecomputeError.
+
+The compiled backward recomputes a block's tensors from the graph's inputs. AOTAutograd
+saves an input the backward reads with ``ctx.save_for_backward``, so a write to it
+after the forward makes autograd's version check raise PyTorch's own in-place
+``RuntimeError`` when the backward unpacks its saved tensors. In a graph with a scope,
+for the parameters and buffers (AOTAutograd's static inputs) that the backward reads
+(a block's recomputation, or a backward op, reads them or a view of them), the
+joint-graph pass replaces that check by one that says what happened and what to do.
+An optimizer step writes every parameter: all of those the backward reads must be
+checked by the same op, or autograd's check of another one raises first.
+
+1. a forward op, ``gradient_scope::input_versions``, returns their version counters
+   (an int64 CPU tensor, one entry per input). It is ``MUST_SAVE`` and has a side
+   effect, so the partitioner keeps it in the forward graph and saves its result: a
+   pure op that only the backward reads would be moved to the backward graph and read
+   the versions there. Its result is kept on ``ctx`` too (step 2), so saved-tensor
+   hooks never see it.
+2. The inputs are marked ``saved_tensor_with_no_vc_check``: AOTAutograd keeps them on
+   ``ctx`` without autograd's version check. They are parameters and buffers, alive
+   anyway: holding them until the graph is freed costs no memory.
+3. A backward op, ``gradient_scope::check_input_versions``, has a side effect (it is
+   never dropped) and reads a tangent (so the partitioner puts it in the backward
+   graph, which runs it on every backward call). It compares the versions and raises
+   :class:`RecomputeError` that names the first input written since the forward. The
+   backward graph returns no gradient before it has run, so a write the version
+   counter sees never reaches a gradient.
+
+Inputs the graph writes itself (:mod:`._compile_inputs`) keep autograd's check:
+their versions move during the call. Nothing changes (the inputs keep autograd's check
+and its error) where AOTAutograd's metadata is not found (another torch), and for
+graphs compiled for CUDA graphs (``mode="reduce-overhead"``), whose replays would not
+run the ops' Python. An inference tensor has no version counter: the forward op raises
+RecomputeError for it, where autograd would refuse to save it.
+
+Cost per call: one call of each op, a Python function through the dispatcher (the
+forward one reads N version counters into an N-element int64 tensor kept for backward,
+the backward one compares them; N = the parameters and buffers checked): about
+5-10 us each for N <= 8, 30-40 us for N = 64 (CPU, torch 2.13).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+from ..._base.errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError
+from .inputs import caller_locals, is_alias, written_inputs
+
+__all__ = ["guard_input_versions"]
+
+# AOTAutograd's names: the joint pass's caller and its locals, the function whose
+# local ``mod`` is dynamo's graph, and the meta key of a tensor saved without a
+# version check (torch/_functorch/partitioners.py; runtime_wrappers.py).
+_PARTITION = "_partition_joint_graph_into_fw_bw"
+_SIMPLIFIED = "aot_module_simplified"
+_NO_VC_CHECK = "saved_tensor_with_no_vc_check"
+
+
+# Plain dispatcher ops with Python kernels (torch.library.custom_op adds ~60 us of
+# Python per call; these cost ~5-10 us). The kernels run in the compiled graphs, under
+# every backend; the fake kernels give their outputs while graphs are compiled.
+_LIB = torch.library.Library("gradient_scope", "FRAGMENT")
+_LIB.define("input_versions(Tensor[] tensors, str names) -> Tensor")
+_LIB.define("check_input_versions(Tensor grad, Tensor versions, Tensor[] tensors, str names) -> ()")
+
+
+def _versions(tensors: list[torch.Tensor], names: str) -> list[int]:
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        for t, name in zip(tensors, names.split("\n")):
+            if t.is_inference():  # no version counter
+                raise RecomputeError(_message(t, name)) from None
+        raise
+
+
+def _input_versions(tensors: list[torch.Tensor], names: str) -> torch.Tensor:
+    """The version counters of ``tensors`` (forward). ``names`` holds one name per
+    tensor, one per line."""
+    return torch.tensor(_versions(tensors, names), dtype=torch.int64)
+
+
+def _check_input_versions(grad: torch.Tensor, versions: torch.Tensor, tensors: list[torch.Tensor], names: str) -> None:
+    """Raise RecomputeError if one of ``tensors`` was written since ``versions`` was
+    taken (backward). ``grad`` (a tangent) is read only to place the op in the backward;
+    ``names`` as for ``input_versions``."""
+    before, now = versions.tolist(), _versions(tensors, names)
+    if now == before:
+        return
+    for a, b, t, name in zip(before, now, tensors, names.split("\n")):
+        if a != b:
+            raise RecomputeError(_message(t, name, a, b))
+
+
+def _fake_versions(tensors: list[torch.Tensor], names: str) -> torch.Tensor:
+    return torch.empty(len(tensors), dtype=torch.int64)
+
+
+def _fake_check(grad: torch.Tensor, versions: torch.Tensor, tensors: list[torch.Tensor], names: str) -> None:
+    return None
+
+
+_LIB.impl("input_versions", _input_versions, "CompositeExplicitAutograd")
+_LIB.impl("check_input_versions", _check_input_versions, "CompositeExplicitAutograd")
+torch.library.register_fake("gradient_scope::input_versions", _fake_versions, lib=_LIB)
+torch.library.register_fake("gradient_scope::check_input_versions", _fake_check, lib=_LIB)
+
+
+_CHECK = torch.ops.gradient_scope.check_input_versions.default
+_VERSIONS = torch.ops.gradient_scope.input_versions.default
+torch.fx.node.has_side_effect(_CHECK)
+torch.fx.node.has_side_effect(_VERSIONS)  # keeps it in the forward graph (see above)
+
+
+def _message(t: torch.Tensor, name: str, before: int | None = None, now: int | None = None) -> str:
+    weight = isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
+    what = f"{'parameter' if weight else 'tensor'} {name + ' ' if name else ''}of shape {list(t.shape)} ({t.dtype})"
+    if now is None:
+        return (
+            f"gradient_scope: the {what}, read by a recompute_scope in compiled code, is an inference "
+            "tensor: it has no version counter, so a write to it before backward could not be seen "
+            "(autograd does not save inference tensors either). Fix: create it outside "
+            "torch.inference_mode(), or use a clone of it."
+        )
+    return (
+        f"gradient_scope: the backward of compiled code with a recompute_scope reads the {what}, which "
+        f"was modified in place after the compiled forward (version {before} -> {now}) and before "
+        "backward. " + (WEIGHT_UPDATE if weight else INPUT_WRITTEN)
+    )
+
+
+def _source_name(source: str) -> str:
+    """``L['self']._modules['lin']._parameters['weight']`` -> ``self.lin.weight``."""
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
+    return re.sub(r"^[LG]\['([^']*)'\]", r"\1", name)
+
+
+def _input_names(primals: list[torch.fx.Node]) -> list[str]:
+    """A name per joint-graph input: what dynamo read it from, '' where unknown."""
+    mod = caller_locals(_SIMPLIFIED, max_depth=24).get("mod")
+    graph = mod.graph if isinstance(mod, torch.fx.GraphModule) else torch.fx.Graph()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    names = []
+    for node in primals:
+        desc = node.meta.get("desc")
+        kind, idx = type(desc).__name__, getattr(desc, "idx", -1)
+        name = ""
+        if kind in ("ParamAOTInput", "BufferAOTInput"):
+            name = str(getattr(desc, "target", ""))
+        elif kind == "PlainAOTInput" and 0 <= idx < len(placeholders):
+            source = getattr(placeholders[idx].meta.get("grapharg"), "source", None)
+            source_name = getattr(source, "name", "")
+            name = _source_name(str(source_name() if callable(source_name) else source_name))
+        names.append(name.replace("\n", " "))
+    return names
+
+
+def _read_in_backward(node: torch.fx.Node, backward: set[torch.fx.Node]) -> bool:
+    """Whether the backward reads ``node`` (or a view of it): a backward node, or a
+    forward node the partitioner recomputes (a block's)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if user in backward or user.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                return True
+            if is_alias(user):
+                stack.append(user)
+    return False
+
+
+def _cudagraphs_on() -> bool:
+    """Whether inductor compiles this graph for CUDA graphs (``mode="reduce-overhead"``),
+    which would replay a captured graph without running the version ops' Python."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(getattr(getattr(config, "triton", None), "cudagraphs", False))
+
+
+def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> int:
+    """Check, in the backward, the versions of the parameters and buffers the backward
+    reads (see the module docstring); returns how many are checked."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    frame = caller_locals(_PARTITION)
+    info = getattr(frame.get("inner_meta"), "input_info", None)
+    static = getattr(frame.get("aot_config"), "static_input_indices", None)
+    primals = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    tangents = [n for n in gm.graph.nodes if n.op == "placeholder" and "tangents" in n.name]
+    tangents = [n for n in tangents if isinstance(n.meta.get("val"), FakeTensor)]
+    if info is None or static is None or len(info) != len(primals) or not tangents or _cudagraphs_on():
+        return 0  # unknown inputs, no backward, or CUDA graphs: autograd's check stays
+    written = written_inputs(gm, list(info))
+    guarded = [
+        p
+        for i, p in enumerate(primals)
+        if i in static and p not in written and isinstance(p.meta.get("val"), FakeTensor)
+        if _read_in_backward(p, backward)
+    ]
+    bw_nodes = [n for n in gm.graph.nodes if n in backward and n.op != "placeholder"]
+    if not guarded or not bw_nodes:
+        return 0
+    names = _input_names(primals)
+    text = "\n".join(names[primals.index(p)] for p in guarded)
+    graph = gm.graph
+    with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+        versions = graph.call_function(_VERSIONS, (guarded, text))
+    with guarded[0].meta["val"].fake_mode:
+        versions.meta["val"] = torch.empty(len(guarded), dtype=torch.int64)
+    versions.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    with graph.inserting_before(bw_nodes[0]):
+        check = graph.call_function(_CHECK, (tangents[0], versions, guarded, text))
+    check.meta["val"] = None
+    backward.add(check)
+    versions.meta["partitioner_tag"] = "is_forward"
+    check.meta["partitioner_tag"] = "is_backward"
+    for node in (*guarded, versions):
+        node.meta[_NO_VC_CHECK] = True
+    gm.recompile()
+    return len(guarded)

@@ -1,0 +1,8 @@
+"""The public layer: what the package's ``__init__`` re-exports, built on the stages below.
+
+- ``scope`` -- ``recompute_scope`` and ``recompute``: options, opening and closing blocks
+  (a budget's decision handed to the block's frame), decorator forms.
+- ``helpers`` -- ``apply_recompute``, ``remove_recompute``, ``recompute_sequential``.
+- ``checkpoint`` -- a drop-in for ``torch.utils.checkpoint.checkpoint``.
+- ``model_stats`` -- the counters of the scopes a model's helpers ran.
+"""

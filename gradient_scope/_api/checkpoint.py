@@ -1,0 +1,182 @@
+"""A drop-in for ``torch.utils.checkpoint.checkpoint`` that runs the function in a scope."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import noop_context_fn
+
+from .._base.errors import check_bool
+from .._base.stats import ScopeStats
+from .._budget.budget import Budget
+from .scope import counting_into, recompute_scope
+
+__all__ = ["checkpoint", "checkpoint_stats", "reset_checkpoint_stats"]
+
+# The counters of the scopes checkpoint ran for each module (read by model_stats).
+_stats: weakref.WeakKeyDictionary[nn.Module, ScopeStats] = weakref.WeakKeyDictionary()
+
+
+def _owner(function: Any) -> nn.Module | None:
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _module_of(function: Any) -> nn.Module | None:
+    """The module ``function`` runs: the module itself, the owner of a bound method,
+    or the module a ``functools.partial`` passes first to an unbound forward
+    (transformers passes ``partial(forward, layer, **kwargs)``)."""
+    while isinstance(function, functools.partial):
+        inner = function.func
+        if not isinstance(inner, functools.partial) and _owner(inner) is None:
+            first = function.args[0] if function.args else None
+            return first if isinstance(first, nn.Module) else None
+        function = inner
+    return _owner(function)
+
+
+def checkpoint_stats(module: nn.Module) -> ScopeStats | None:
+    """The summed counters of the scopes :func:`checkpoint` ran for ``module``, or None."""
+    return _stats.get(module)
+
+
+def reset_checkpoint_stats(module: nn.Module) -> None:
+    # Dropped, not zeroed: scopes still in flight keep counting into the old object.
+    _stats.pop(module, None)
+
+
+def _function_name(fn: Any) -> str:
+    """``fn`` named for errors: a module's class, ``Class.method``, a function's qualname."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', '?')}"
+    return str(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], Any] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
+    budget: Budget | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Drop-in for ``torch.utils.checkpoint.checkpoint``: run ``function`` in a scope.
+
+    Returns ``function(*args, **kwargs)``, computed inside a
+    ``recompute_scope(preserve_rng_state=preserve_rng_state)``: everything the
+    function creates, its outputs included, is recomputable (saved for backward
+    as a handle and recomputed from the recorded ops when backward needs it).
+    Unlike ``torch.utils.checkpoint``, the function's Python code runs once:
+    backward replays only the recorded ops it needs.
+
+    It takes every argument ``torch.utils.checkpoint.checkpoint`` takes, so any
+    framework that accepts a checkpoint function uses scopes with it:
+
+    * ``checkpoint_wrapper(module, checkpoint_fn=gradient_scope.checkpoint)``
+      (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``), also
+      through ``apply_activation_checkpointing(model,
+      checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+      checkpoint_fn=gradient_scope.checkpoint), check_fn=...)``;
+    * Hugging Face transformers models: prefer
+      ``gradient_scope.integrations.transformers.enable(model)`` (public
+      transformers API, guarded against transformers' own checkpointing).
+      Through transformers' switch it takes a private method:
+      ``model._set_gradient_checkpointing(True, gradient_checkpointing_func=gradient_scope.checkpoint)``
+      (``activation_checkpointing_enable()`` always passes torch's checkpoint).
+
+    Args:
+        function: the function to run (a module, a ``functools.partial``, ...).
+        *args: its positional arguments.
+        use_reentrant: accepted and ignored (a scope has no reentrant variant);
+            no warning when left out.
+        preserve_rng_state: replay random ops with the random numbers they drew
+            in forward (see :class:`recompute_scope`).
+        context_fn: only torch's default (``noop_context_fn``) is accepted:
+            selective checkpointing contexts do not apply to a scope; use
+            ``recompute_scope(save=...)`` for selective recompute.
+        determinism_check: ``"default"`` or ``"none"``, accepted and ignored
+            (a replay always checks shape, dtype and device).
+        debug: accepted and ignored (``recompute_scope(debug=True)`` is the
+            scope's value check).
+        early_stop: accepted and ignored (a replay runs only the ops it needs).
+        respect_saved_tensors_hooks: accepted and ignored (torch >= 2.15 takes it for
+            what selective checkpointing saves; what a scope keeps always goes
+            through the ``saved_tensors_hooks`` around it).
+        budget: a :class:`Budget` shared by the calls it bounds (create it once):
+            the library decides what each call stores to stay within it.
+        **kwargs: keyword arguments of ``function``.
+
+    Raises:
+        ValueError: ``context_fn`` is not torch's default, or
+            ``determinism_check`` is neither ``"default"`` nor ``"none"``.
+        TypeError: ``function`` is not callable or a flag is not a bool.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> import gradient_scope
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> y = gradient_scope.checkpoint(mlp, x, use_reentrant=False)
+        >>> y.sum().backward()       # the GELU input and output are recomputed
+        >>> from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        >>> wrapped = checkpoint_wrapper(mlp, checkpoint_fn=gradient_scope.checkpoint)
+        >>> wrapped(x).sum().backward()
+    """
+    if not callable(function):
+        raise TypeError(f"gradient_scope.checkpoint: function must be callable, got {type(function).__name__}")
+    if context_fn is not noop_context_fn:
+        raise ValueError(
+            "gradient_scope.checkpoint: context_fn is not supported (selective checkpointing "
+            "contexts apply to torch.utils.checkpoint only). For selective recompute use "
+            "recompute_scope(save=...), e.g. save=gradient_scope.save_matmuls."
+        )
+    if determinism_check not in ("default", "none"):
+        raise ValueError(
+            "gradient_scope.checkpoint: determinism_check must be 'default' or 'none' "
+            f"(as for torch.utils.checkpoint), got {determinism_check!r}"
+        )
+    if use_reentrant is not None:
+        check_bool("gradient_scope.checkpoint", "use_reentrant", use_reentrant)
+    check_bool("gradient_scope.checkpoint", "debug", debug)
+    check_bool("gradient_scope.checkpoint", "early_stop", early_stop)
+    if respect_saved_tensors_hooks is not None:
+        check_bool("gradient_scope.checkpoint", "respect_saved_tensors_hooks", respect_saved_tensors_hooks)
+    scope = (
+        recompute_scope(preserve_rng_state=preserve_rng_state)
+        if budget is None
+        else recompute_scope(preserve_rng_state=preserve_rng_state, budget=budget)
+    )
+    if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
+        caller = sys._getframe(1)
+        scope._at(
+            (caller.f_code.co_filename, caller.f_lineno, f"gradient_scope.checkpoint({_function_name(function)})")
+        )
+        del caller  # the frame holds the caller's locals
+        module = _module_of(function)
+        if module is not None and not torch.compiler.is_compiling():
+            stats = _stats.get(module)
+            if stats is None:
+                stats = _stats[module] = ScopeStats()
+            counting_into(scope, stats)
+    with scope:
+        return function(*args, **kwargs)

@@ -1,0 +1,402 @@
+"""Helpers for models: scope every call of chosen submodules, or of sequential chunks.
+
+:func:`apply_recompute` gives a module a ``forward`` instance attribute: a small
+callable that runs the module's own forward inside a fresh
+:class:`recompute_scope` on each call. It refers to its module through a weak
+reference (no reference cycle: a model still dies as soon as it is dropped) and
+pickles and deep-copies along with the module. :func:`remove_recompute` puts back
+exactly what was there before: no instance attribute (the class's ``forward``
+applies again) or the instance attribute the module had.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.nn as nn
+
+from .._base.errors import Site
+from .._base.stats import ScopeStats
+from .._budget.budget import Budget
+from ..policies import as_save_policy
+from .scope import counting_into, recompute_scope
+
+__all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
+
+M = TypeVar("M", bound=nn.Module)
+
+_SCOPE_OPTIONS = frozenset(
+    name
+    for name, p in inspect.signature(recompute_scope.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Validate ``**scope_options`` once, up front; make ``save=`` picklable."""
+    unknown = sorted(set(options) - _SCOPE_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{caller}: unknown recompute_scope option(s) {', '.join(map(repr, unknown))}; "
+            f"the options are {', '.join(sorted(_SCOPE_OPTIONS))}"
+        )
+    options = dict(options)
+    # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
+    if "save" in options:
+        options["save"] = as_save_policy(options["save"])
+    recompute_scope(**options)  # raises TypeError/ValueError for invalid values
+    return options
+
+
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward`` as it resolves without an instance attribute."""
+    cls = type(module)
+    for klass in cls.__mro__:
+        attr = klass.__dict__.get("forward")
+        if attr is not None:
+            get = getattr(type(attr), "__get__", None)
+            bound: Callable[..., Any] = get(attr, module, cls) if get is not None else attr
+            return bound
+    raise AttributeError(f"{cls.__name__} has no forward")  # pragma: no cover (nn.Module has one)
+
+
+class _ScopedForward:
+    """The ``forward`` instance attribute that :func:`apply_recompute` installs.
+
+    Calls the module's own forward (``original``, the instance attribute it
+    replaced, or else the class's ``forward``) inside a fresh
+    ``recompute_scope(**options)``, whose counters add into ``stats`` (read by
+    ``model_stats``; ``reset_stats`` starts afresh).
+    """
+
+    __slots__ = ("_module", "original", "options", "site", "stats")
+
+    def __init__(
+        self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
+    ) -> None:
+        self._module = weakref.ref(module)
+        self.original = original
+        self.options = options
+        self.site = site  # the module path, named in errors
+        self.stats = ScopeStats()  # what its scopes counted (model_stats)
+
+    def reset_stats(self) -> None:
+        # A new object: scopes still in flight keep counting into the old one.
+        self.stats = ScopeStats()
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(
+                "gradient_scope: this forward belongs to a module that no longer exists "
+                "(apply_recompute's forward refers to its module weakly)."
+            )
+        return module
+
+    def _forward(self) -> Callable[..., Any]:
+        original = self.original
+        return original if original is not None else _class_forward(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self._forward()
+        scope = recompute_scope(**self.options)
+        if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
+            scope._at(self.site)
+        with counting_into(scope, self.stats):
+            return forward(*args, **kwargs)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        # For inspect.signature(module.forward) and friends (computed on access:
+        # storing the bound method would make a reference cycle).
+        return self._forward()
+
+    def __repr__(self) -> str:
+        module = self._module()
+        name = type(module).__name__ if module is not None else "<dead module>"
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"<{name}.forward in recompute_scope({opts})>"
+
+    def __reduce__(self) -> Any:
+        # Pickle/deepcopy with the module: the copy refers to the copied module.
+        return (_rebuild_scoped_forward, (self.module, self.original, self.options, self.site))
+
+
+def scoped_forward_stats(module: nn.Module) -> ScopeStats | None:
+    """The counters of the scopes ``apply_recompute`` runs for ``module``, or None."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module:
+        return current.stats
+    return None
+
+
+def reset_scoped_forward_stats(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module:
+        current.reset_stats()
+
+
+def _rebuild_scoped_forward(
+    module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
+) -> _ScopedForward:
+    return _ScopedForward(module, original, options, site)
+
+
+def _module_site(path: str, module: nn.Module) -> Site:
+    return (None, 0, f"{path or 'the model'} ({type(module).__name__}), scoped by apply_recompute")
+
+
+def _every_module(module: nn.Module) -> bool:
+    return True
+
+
+ModuleSelector = Callable[[nn.Module], bool] | type | tuple[type, ...] | types.UnionType
+
+
+def _selector(check_fn: Any) -> Callable[[nn.Module], bool]:
+    """``check_fn`` as a predicate. Classes are matched with ``isinstance``, never
+    called: calling a module class with a module would run its constructor."""
+    if isinstance(check_fn, (type, types.UnionType)):
+        cls = check_fn
+        return lambda m: isinstance(m, cls)
+    if isinstance(check_fn, tuple):
+        for item in check_fn:
+            if not isinstance(item, (type, types.UnionType)):
+                raise TypeError(
+                    "apply_recompute: a tuple check_fn must hold classes (matched with isinstance), "
+                    f"got an item {item!r} of type {type(item).__name__}"
+                )
+        classes = check_fn
+        return lambda m: isinstance(m, classes)
+    if not callable(check_fn):
+        raise TypeError(
+            "apply_recompute: check_fn must be a predicate module -> bool "
+            "(e.g. lambda m: isinstance(m, Block)), a module class or a tuple of classes, "
+            f"got {type(check_fn).__name__}"
+        )
+    return check_fn  # type: ignore[no-any-return]
+
+
+def apply_recompute(
+    model: M,
+    check_fn: ModuleSelector = _every_module,
+    **scope_options: Any,
+) -> M:
+    """Run every call of chosen submodules in its own :class:`recompute_scope`.
+
+    For each module in ``model.modules()`` (``model`` itself included) for
+    which ``check_fn(module)`` is true, each call of the module's forward from
+    now on runs in a fresh ``recompute_scope(**scope_options)``: tensors the
+    forward creates are recomputed in backward instead of stored. This is the
+    ``recompute_scope`` counterpart of torch's ``apply_activation_checkpointing``.
+
+    The change is made in place, without wrapper modules: the module gets a
+    ``forward`` instance attribute, and ``state_dict()``, ``named_modules()``,
+    ``parameters()``, ``type(module)`` and the module's hooks are unchanged (the
+    hooks run outside the scope, around it). The model still pickles and
+    deep-copies. Forwards with keyword arguments and with any output (tensors,
+    tuples, dicts, dataclasses, ...) work as they are.
+
+    Applying again does not wrap twice: a module that already runs in a scope
+    keeps one scope, with the options of the latest call. Undo with
+    :func:`remove_recompute`.
+
+    Wrap the modules that repeat and hold most activations (transformer
+    blocks, residual stages). Apply it after wrappers that replace modules. A
+    shallow copy of a module (``copy.copy``, a ``DataParallel`` replica)
+    shares the original's forward attribute: apply recompute to the copy
+    again.
+
+    ``check_fn``'s default wraps every module, which is the same as one scope
+    around ``model`` (nested scopes record into the outermost one): memory held
+    after forward is small, but the first op of backward needs values that
+    depend on the whole forward, so backward replays the whole forward at once
+    and the peak memory is about that of the plain model. Pick the repeated
+    blocks instead, so each block's activations are recomputed only while
+    backward goes through that block.
+
+    Hugging Face transformers models: every decoder/encoder layer derives from
+    ``transformers.modeling_layers.GradientCheckpointingLayer``, so
+    ``apply_recompute(model, check_fn=GradientCheckpointingLayer)`` gives a
+    scope per layer (``gradient_scope.integrations.transformers.enable(model)``
+    does it too, and guards against transformers' own checkpointing).
+
+    Args:
+        model: the module to modify, in place.
+        check_fn: picks the modules to wrap: a predicate
+            ``check_fn(module) -> bool``, a module class, or a tuple of
+            classes (matched with ``isinstance``, as FSDP's wrap policies
+            take them). When it matches no module, a ``UserWarning`` says
+            so and nothing is changed.
+        **scope_options: options of each scope (``save=``,
+            ``preserve_rng_state=``, ``enabled=``, ``debug=``, ``budget=``); see
+            :class:`recompute_scope`. ``budget`` may be an int number of bytes
+            or a string such as ``"2GiB"`` (one :class:`Budget` for all the
+            chosen modules) or a :class:`Budget`, which then shows its plan.
+
+    Returns:
+        ``model``.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, remove_recompute, save_matmuls
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.ln, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 64), nn.Linear(64, 16)
+        ...     def forward(self, x):
+        ...         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+        >>> model = nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+        >>> _ = apply_recompute(model, check_fn=Block, save=save_matmuls)   # or a predicate
+        >>> model(torch.randn(8, 16)).sum().backward()   # block activations recomputed
+        >>> _ = remove_recompute(model)                   # back to plain forwards
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = apply_recompute(model, check_fn=nn.Conv2d)
+        >>> print(caught[0].message)   # doctest: +ELLIPSIS
+        apply_recompute: check_fn (Conv2d) matched no module of Sequential; nothing was changed. ...
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
+    select = _selector(check_fn)
+    budget = scope_options.get("budget")
+    if budget is not None and not isinstance(budget, Budget):
+        scope_options = {**scope_options, "budget": Budget(budget)}
+    options = _scope_options("apply_recompute", scope_options)
+    chosen = [(path, m) for path, m in model.named_modules(remove_duplicate=True) if select(m)]
+    if not chosen:
+        what = getattr(check_fn, "__qualname__", None) or repr(check_fn)
+        warnings.warn(
+            f"apply_recompute: check_fn ({what}) matched no module of {type(model).__name__}; "
+            "nothing was changed. Pass a predicate that is true for the modules to recompute, "
+            "or their class (e.g. check_fn=Block).",
+            UserWarning,
+            stacklevel=2,
+        )
+        return model
+    for path, module in chosen:
+        current = module.__dict__.get("forward")
+        site = _module_site(path, module)
+        if isinstance(current, _ScopedForward):
+            if current._module() is module:
+                current.options, current.site = dict(options), site
+                current.reset_stats()
+                continue
+            original = current.original  # shared by a shallow copy of another module
+        else:
+            original = current
+        module.__dict__["forward"] = _ScopedForward(module, original, dict(options), site)
+    return model
+
+
+def remove_recompute(model: M) -> M:
+    """Undo :func:`apply_recompute` on ``model`` and all its submodules.
+
+    Each module's ``forward`` is exactly as before ``apply_recompute``: the
+    instance attribute it installed is removed (or, where the module had a
+    ``forward`` instance attribute of its own, that one is put back). Modules
+    without recompute applied are left alone.
+
+    Returns:
+        ``model``.
+
+    Example::
+
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, remove_recompute
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        >>> _ = apply_recompute(model, check_fn=lambda m: isinstance(m, nn.Linear))
+        >>> "forward" in vars(model[0])
+        True
+        >>> _ = remove_recompute(model)
+        >>> "forward" in vars(model[0])
+        False
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"remove_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
+    for module in model.modules():
+        current = module.__dict__.get("forward")
+        if isinstance(current, _ScopedForward):
+            if current.original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = current.original
+    return model
+
+
+def recompute_sequential(functions: Any, segments: int, input: Any, **scope_options: Any) -> Any:
+    """Run a sequence of modules/functions in chunks, each but the last in a scope.
+
+    The counterpart of ``torch.utils.checkpoint.checkpoint_sequential``:
+    ``functions`` (an ``nn.Sequential`` or a list of modules/functions) is split
+    into ``segments`` consecutive chunks of ``len(functions) // segments``
+    functions (the last chunk takes the rest). Each function is called with the
+    previous one's output, starting from ``input``. Every chunk but the last
+    runs inside its own ``recompute_scope(**scope_options)``; the last runs
+    plainly, since backward starts with it and would recompute it at once.
+
+    Args:
+        functions: ``nn.Sequential``, ``nn.ModuleList``, or list/tuple of callables.
+        segments: number of chunks, ``1 <= segments <= len(functions)``.
+        input: the input of the first function.
+        **scope_options: options of each scope; see :class:`recompute_scope`.
+
+    Returns:
+        The output of the last function.
+
+    Raises:
+        ValueError: ``segments`` is not an int between 1 and ``len(functions)``.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import recompute_sequential
+        >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(8)))
+        >>> x = torch.randn(16, 32, requires_grad=True)
+        >>> out = recompute_sequential(model, segments=4, input=x)   # 3 scopes, 2 layers each
+        >>> out.sum().backward()
+    """
+    if isinstance(functions, (nn.Sequential, nn.ModuleList, list, tuple)):
+        funcs = list(functions)
+    else:
+        raise TypeError(
+            "recompute_sequential: functions must be an nn.Sequential, an nn.ModuleList or a "
+            f"list of modules/functions, got {type(functions).__name__}"
+        )
+    for i, f in enumerate(funcs):
+        if not callable(f):
+            raise TypeError(f"recompute_sequential: functions[{i}] is not callable ({type(f).__name__})")
+    n = len(funcs)
+    try:
+        count = None if isinstance(segments, bool) else operator.index(segments)
+    except TypeError:
+        count = None
+    if count is None or not 1 <= count <= n:
+        raise ValueError(
+            f"recompute_sequential: segments must be an int between 1 and the number of "
+            f"functions ({n}), got {segments!r}"
+        )
+    segments = count
+    options = _scope_options("recompute_sequential", scope_options)
+    size = n // segments
+    x = input
+    end = 0
+    for s in range(segments - 1):
+        start, end = s * size, (s + 1) * size
+        with recompute_scope(**options):
+            for f in funcs[start:end]:
+                x = f(x)
+    for f in funcs[end:]:
+        x = f(x)
+    return x

@@ -1,0 +1,97 @@
+"""``model_stats(model)``: the counters of the scopes a model's helpers ran, summed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch.nn as nn
+
+from .._base.stats import ScopeStats
+from .checkpoint import checkpoint_stats, reset_checkpoint_stats
+from .helpers import reset_scoped_forward_stats, scoped_forward_stats
+
+__all__ = ["ModelStats", "model_stats"]
+
+_COUNTERS = tuple(f.name for f in fields(ScopeStats))
+
+
+@dataclass
+class ModelStats(ScopeStats):
+    """The counters of every scope run by a model's scoped modules, summed (the
+    fields of :class:`ScopeStats`), and per module in ``modules``.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, model_stats
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        >>> _ = apply_recompute(model, check_fn=nn.Tanh)
+        >>> model(torch.randn(4, 8)).sum().backward()
+        >>> stats = model_stats(model)
+        >>> stats.tensors_packed, sorted(stats.modules)
+        (3, ['1', '3'])
+        >>> stats.modules["1"].replays
+        1
+    """
+
+    #: module path (from the model; ``""`` for the model itself) -> its scopes' counters
+    modules: dict[str, ScopeStats] = field(default_factory=dict)
+
+
+def _add(into: ScopeStats, stats: ScopeStats) -> None:
+    for name in _COUNTERS:
+        setattr(into, name, getattr(into, name) + getattr(stats, name))
+
+
+def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
+    """Sum the stats of every scope run by ``model``'s scoped modules.
+
+    Counts the scopes that :func:`apply_recompute` runs for each module it
+    wrapped (since that call), and those that :func:`checkpoint` runs for a
+    module (called as ``checkpoint(module, ...)``, a bound method of it, or a
+    ``functools.partial`` of one, as Hugging Face transformers does). The
+    counters keep counting through backward (``replays``, ``ops_replayed``).
+    Reading them costs nothing while the model runs: the scopes of one module
+    count into one shared :class:`ScopeStats`.
+
+    Args:
+        model: the model; its submodules are named by their path from it.
+        reset: start the counts afresh after reading them (scopes that ran
+            before keep counting into the counts returned).
+
+    Returns:
+        A :class:`ModelStats`: the totals, and ``modules``, one
+        :class:`ScopeStats` per module whose scopes ran, by path.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> import gradient_scope
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> model = nn.Sequential(mlp, nn.Linear(8, 1))
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> model[1](gradient_scope.checkpoint(mlp, x)).sum().backward()
+        >>> stats = gradient_scope.model_stats(model, reset=True)
+        >>> list(stats.modules), stats.ops_recorded > 0, stats.replays
+        (['0'], True, 1)
+        >>> gradient_scope.model_stats(model).ops_recorded
+        0
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_stats: model must be a torch.nn.Module, got {type(model).__name__}")
+    total = ModelStats()
+    for name, module in model.named_modules():
+        found = [s for s in (scoped_forward_stats(module), checkpoint_stats(module)) if s is not None]
+        if not found:
+            continue
+        per_module = ScopeStats()
+        for stats in found:
+            _add(per_module, stats)
+        _add(total, per_module)
+        total.modules[name] = per_module
+        if reset:
+            reset_scoped_forward_stats(module)
+            reset_checkpoint_stats(module)
+    return total

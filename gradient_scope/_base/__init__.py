@@ -1,0 +1,13 @@
+"""Leaves: what every stage below the public layer uses, importing nothing else of the package.
+
+- ``torch_compat`` -- every private PyTorch API the library uses, each behind a named shim;
+  ``torch_floor`` -- the oldest supported torch, checked on import; ``version``.
+- ``ops`` -- facts about an op overload (what it writes, which outputs are views, whether
+  it draws random numbers); ``rng`` -- random-generator state, captured and restored;
+  ``subclass`` -- where a wrapper subclass's data is.
+- ``stats`` -- ``ScopeStats``; ``errors`` -- ``RecomputeError``, where a block was entered,
+  the causes messages name, the internal-error check; ``options`` -- option values and the
+  process-wide off switch (``disabled()``, ``GRADIENT_SCOPE_DISABLE``).
+
+No rule family lives here.
+"""

@@ -1,0 +1,148 @@
+"""What a memory budget reads from a block's record (for ``_budget.budget``).
+
+* :func:`measure` -- the block as the planner's graph (``_budget.planner.BlockGraph``, without
+  its saved values, which the pack hook reports): each op's cost and the values it reads.
+* :func:`input_storages` -- what the record keeps for replay: the outside tensors it
+  read and the generator states of its random ops.
+
+Cost model (cost units): an op with a FLOP formula registered in
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels) costs its
+FLOPs; a view costs 1; any other op costs the bytes it reads and writes (one unit per
+byte moved). Matmul-like ops do hundreds of FLOPs per byte, so the planner stores
+their outputs first, as ``save_matmuls`` would by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
+from .._restore.replay import op_refs
+
+__all__ = ["value_index", "measure", "Measured", "input_storages", "storage_of"]
+
+Tensor = torch.Tensor
+
+
+def value_index(record: BlockRecord) -> dict[Var, int]:
+    """Each Var of the record, numbered in op order (the planner's value ids)."""
+    return {v: n for n, v in enumerate(record.vars())}
+
+
+class Measured:
+    """What :func:`measure` reads from a closed record (plain data)."""
+
+    __slots__ = ("costs", "reads", "producers", "cuttable", "needs", "names", "places")
+
+    def __init__(self) -> None:
+        self.costs: list[float] = []
+        self.reads: list[tuple[int, ...]] = []
+        self.names: list[str] = []  # per op
+        self.producers: list[int] = []  # per value
+        self.cuttable: list[bool] = []
+        self.needs: list[tuple[int, ...]] = []
+        self.places: list[tuple[int, int]] = []  # per value: (op, output index)
+
+
+def measure(record: BlockRecord) -> Measured:
+    """The costs and reads of every op of a closed ``record``."""
+    index = value_index(record)
+    m = Measured()
+    for i, rec in enumerate(record.ops):
+        m.costs.append(op_cost(rec))
+        m.reads.append(tuple(index[r] for r in op_refs(rec) if type(r) is Var))
+        m.names.append(str(rec.func))
+        for k, v in enumerate(rec.outs):
+            if v is not None:
+                writes = v.root.writes
+                m.producers.append(i)
+                m.cuttable.append(not writes)
+                m.needs.append(tuple(j for j, _ in writes))
+                m.places.append((i, k))
+    return m
+
+
+def _nbytes(a: Any) -> int:
+    if type(a) is Var:
+        if a.size is None:
+            return 0
+        return int(a.size.numel()) * a.dtype.itemsize
+    if type(a) is Input:
+        return a.tensor.numel() * a.tensor.element_size()
+    return 0
+
+
+def _shape(a: Any) -> Any:
+    if type(a) is Var or type(a) is MetaArg:
+        return a.size
+    if type(a) is Input:
+        return a.tensor.shape
+    if type(a) is list:
+        return [_shape(x) for x in a]
+    return a
+
+
+def op_cost(rec: OpRecord) -> float:
+    """The replay cost of one recorded op (see the module docstring)."""
+    func, args, kwargs, outs = rec.func, rec.args, rec.kwargs, rec.outs
+    formula = flop_registry.get(getattr(func, "overloadpacket", None))
+    if formula is not None:
+        out_shapes = tuple(None if v is None else v.size for v in outs)
+        try:
+            flops = formula(
+                *[_shape(a) for a in args],
+                out_val=out_shapes[0] if len(out_shapes) == 1 else out_shapes,
+                **{k: _shape(a) for k, a in kwargs.items()},
+            )
+            return float(max(int(flops), 1))
+        except Exception:  # noqa: BLE001  (a formula that cannot read this call: bytes instead)
+            pass
+    if getattr(func, "is_view", False):
+        return 1.0
+    moved = sum(_nbytes(a) for a in (*args, *kwargs.values()))
+    moved += sum(_nbytes(x) for a in args if type(a) is list for x in a)
+    moved += sum(_nbytes(v) for v in outs if v is not None)
+    return float(max(moved, 1))
+
+
+def storage_of(t: Tensor) -> tuple[int, int] | None:
+    """``(address, bytes)`` of ``t``'s storage; None where it has none we can see."""
+    if type(t) is not Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    n = s.nbytes()
+    return (s.data_ptr(), n) if n else None
+
+
+def input_storages(record: BlockRecord) -> dict[int, int]:
+    """The storages (address -> bytes) of the outside tensors ``record`` keeps for
+    replay, leaving out parameters and leaves that require grad (alive anyway), and of
+    the generator states of its random ops."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for rec in record.ops:
+        if rec.rng is not None:  # a random op's generator state, kept for its replay
+            where = storage_of(rec.rng[1])
+            if where is not None:
+                out[where[0]] = where[1]
+        for r in op_refs(rec):
+            if type(r) is not Input or id(r) in seen:
+                continue
+            seen.add(id(r))
+            src = r.source()
+            if (
+                not r.snapshot
+                and src is not None
+                and (isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad))
+            ):
+                continue
+            where = storage_of(r.tensor)
+            if where is not None:
+                out[where[0]] = where[1]
+    return out

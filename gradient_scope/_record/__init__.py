@@ -1,0 +1,12 @@
+"""Record: one op of an open block becomes an entry of the block's record.
+
+- ``recorder`` -- the thread's TorchDispatchMode, and which block records now.
+- ``entry`` -- how one op becomes an ``OpRecord`` (RULES R1..R10: what a recording keeps).
+- ``types`` -- the record's types: ``Var``, ``Input``, ``MetaArg``, ``OpRecord``,
+  ``ViewSpec``, ``Frame``, ``BlockRecord``, ``BlockOwner``.
+- ``signature`` -- a record's structure as one key: what replay shares its plans by and a
+  budget caches its plans by.
+- ``registry`` -- which live tensors blocks made (tensor id -> ``Var``), per-thread ledgers.
+
+Imports only ``_base``; the stages above reach it downward.
+"""

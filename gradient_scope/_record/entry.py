@@ -1,0 +1,432 @@
+"""How one op of an open block becomes an entry (an ``OpRecord``) of its record.
+
+RULES R1..R10: what a recording keeps.
+
+R1. A block never holds a tensor whose storage it wrote to: an Input written
+    by the block is replaced by a private copy of its value before the first
+    write, and replay writes into copies of that copy. (BatchNorm running
+    statistics then change once per forward; a view read later from the same
+    storage is copied too.)
+R2. Outputs of ops a ``save=`` policy keeps, of collectives and of higher-order
+    ops are not recorded: they are ordinary tensors, stored by autograd.
+    An op that writes to an argument is always recorded.
+R3. Ops of a backward pass that runs inside an open block belong to that pass,
+    not to the block; ops under ``no_grad`` in the block (an
+    ``autograd.Function`` forward) belong to the block.
+R4. ``dtype=None`` of a factory is recorded as the dtype forward resolved.
+R5. An Input that is another block's live tensor is noted in that tensor's
+    registry entry: its value is in memory anyway, and is used instead of
+    replaying the other block for as long as a handle of it is pending.
+R6. A write's version is read after the op has returned to autograd, where
+    ADInplaceOrView bumps it (some kernels write without a bump): when the next
+    op is recorded, when a tensor is packed, or when the block closes.
+R7. Ops that a compiled artifact (``torch.compile``) runs inside a block are not
+    recorded: its graph stores what it decides (``_base.torch_compat.in_compiled_code``).
+R8. Jagged nested tensors are not block tensors (autograd stores them): each
+    construction gets a fresh symbolic ragged size, so a replayed one could not
+    meet the gradients forward's size flows into. Ops that read one are not
+    recorded either (the record never holds one: it holds its block's tensors).
+    The tensors they are built from stay recomputable.
+R9. Each op is recorded with the numeric context it ran under (the global flags
+    its result may depend on: ``_base.torch_compat.numeric_context``). It is read when
+    the block opens and when a nested scope enters, and re-read before ops that
+    read such flags (``OpFacts.context``) and before ops with a Python float or
+    complex argument if the default dtype changed (type promotion reads it; the
+    only flag such an op reads); a change starts a new entry of the record's
+    ``contexts``.
+R10. A block tensor read at another version than the record can rebuild (a
+    write the recorder did not see: a compiled function called in the block
+    (R7), another thread) is read as an Input from then on: its value is kept,
+    as for a tensor from outside. Its storage group gets a write that cannot be
+    replayed, so that values saved before it raise instead of being rebuilt
+    without it, and later saves of it are stored. Checked at every recorded read
+    and, for the block's live tensors, when the block closes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._base import rng as _rng
+from .._base.errors import internal_error
+from .._base.ops import INPLACE, NEW, VIEW, OpFacts
+from .._base.subclass import data_address, data_tensors, is_wrapper
+from .._base.torch_compat import current_graph_task, default_dtype, numeric_context
+from . import registry as _registry
+from .registry import _LIVE, Ledger, register
+from .types import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
+
+__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen", "has_tensor"]
+
+Tensor = torch.Tensor
+_new_tuple = tuple.__new__
+
+
+class Unrecordable(Exception):
+    """An argument the record must not hold (R8): the op runs unrecorded."""
+
+
+class _Inputs:
+    """The tensors from outside an open block that it reads (R1, R5)."""
+
+    __slots__ = ("cache", "written")
+
+    def __init__(self) -> None:
+        self.cache: dict[int, Input] = {}  # by id(tensor), while it is unchanged
+        self.written: set[int] = set()  # storages the block wrote to (R1)
+
+    def of(self, t: Tensor, entry: _registry.Entry | None) -> Input:
+        """The Input standing for ``t`` (``entry``: t's registry entry if another block made it)."""
+        if type(t) is not Tensor and t.is_nested:
+            raise Unrecordable  # R8
+        key = id(t)
+        inp = self.cache.get(key)
+        if inp is not None and inp.source() is t and inp.version == t._version:
+            return inp
+        inp = Input(t)
+        if not inp.snapshot:
+            if self.written and data_address(t) in self.written:
+                inp.take_snapshot()  # R1
+            else:
+                self.cache[key] = inp
+                if entry is not None and entry() is t:
+                    _registry.note_alias(entry, inp.tensor)  # R5
+        return inp
+
+    def before_write(self, root: Input) -> None:
+        """R1: the block is about to write to ``root``'s storage: copy every Input of it."""
+        key = data_address(root.tensor)
+        if key is not None:
+            self.written.add(key)
+            for k, inp in list(self.cache.items()):
+                if data_address(inp.tensor) == key:
+                    inp.take_snapshot()
+                    del self.cache[k]
+        if not root.snapshot:
+            root.take_snapshot()
+
+
+class OpenBlock:
+    """The recorder's state for one open block; discarded when the block closes."""
+
+    __slots__ = (
+        "record",
+        "owner",
+        "ledger",
+        "task",
+        "frames",
+        "starts",
+        "frame",
+        "inputs",
+        "counted",
+        "unsettled",
+        "context",
+    )
+
+    def __init__(self, record: BlockRecord, owner: BlockOwner, frame: Frame, lg: Ledger) -> None:
+        self.record = record
+        self.owner = owner  # the block's replay state: its tensors' registry entries point to it
+        self.ledger = lg
+        frame.owner, frame.ledger = owner, lg
+        self.task = current_graph_task()  # R3: the backward pass it was opened in (-1: none)
+        self.frames = [frame]
+        self.starts = [0]  # op index at which each frame began
+        self.frame = frame  # the innermost scope's
+        self.inputs = _Inputs()
+        self.counted = 0  # ops already counted into some frame's stats
+        # Writes of the last op, whose versions are not bumped yet (R6).
+        self.unsettled: list[tuple[Group, Tensor, int]] = []
+        self.context = numeric_context()  # R9: the context of the ops recorded now
+        record.contexts.append((len(record.ops), self.context))
+
+    # -- nested scopes
+
+    def _count(self) -> None:
+        n = len(self.record.ops)
+        self.frame.stats.ops_recorded += n - self.counted
+        self.counted = n
+
+    def push(self, frame: Frame) -> None:
+        frame.owner, frame.ledger = self.owner, self.ledger
+        self._count()
+        self.frames.append(frame)
+        self.starts.append(len(self.record.ops))
+        self.frame = frame
+        note_context(self)
+
+    def pop(self, aborted: bool) -> None:
+        self._count()
+        self.frames.pop()
+        start = self.starts.pop()
+        self.frame = self.frames[-1]
+        if aborted:  # tensors of a scope that raised are ordinary tensors from now on
+            _registry.forget([v for rec in self.record.ops[start:] for v in rec.outs if v is not None])
+
+    def settle(self) -> None:
+        """R6: note the version each write of the last op left its tensor at."""
+        for root, t, index in self.unsettled:
+            self._add_write(root, index, t._version)
+        self.unsettled.clear()
+
+    def close(self, aborted: bool) -> None:
+        self.settle()
+        self._count()
+        record = self.record
+        _note_escaped(record)
+        if aborted:
+            _note_unseen(self, [(v, t) for v in record.vars() if (t := _registry.tensor_of(v)) is not None])
+            _registry.forget(record.vars())
+        else:
+            _note_unseen(self, _registry.close_entries(record.vars()))  # type: ignore[arg-type]
+        record.open = False
+        self.inputs = _Inputs()
+
+    # -- arguments
+
+    def refs(self, args: tuple[Any, ...] | list[Any]) -> list[Any]:
+        """The recorded form of positional arguments: Vars, Inputs, plain values."""
+        live_get = _LIVE.get
+        owner = self.owner
+        out: list[Any] = []
+        for a in args:
+            if isinstance(a, Tensor):
+                e = live_get(id(a))
+                if e is not None and e.frame.owner is owner and e() is a:
+                    var: Var = e  # type: ignore[assignment]  # this block's entries are Vars
+                    t: Tensor = a  # type: ignore[assignment]  # (narrowed by `e() is a`)
+                    out.append(var if _version(t) == var.version else (unseen(self, var, t) or var))
+                else:
+                    out.append(self.inputs.of(a, e))
+            elif (type(a) is list or type(a) is tuple) and has_tensor(a):
+                out.append([self.ref(x) if isinstance(x, Tensor) else x for x in a])
+            else:
+                out.append(a)
+        return out
+
+    def ref(self, t: Tensor) -> Ref:
+        e = _LIVE.get(id(t))
+        if e is not None and e.frame.owner is self.owner and e() is t:
+            var: Var = e  # type: ignore[assignment]
+            return var if _version(t) == var.version else (unseen(self, var, t) or var)
+        return self.inputs.of(t, e)
+
+    # -- ops
+
+    def run_and_record(self, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run and record one op (every op the hot path does not take)."""
+        frame = self.frame
+        if f.context or (_has_float(args) and default_dtype() is not self.context[0]):
+            note_context(self)  # R9
+        kept = frame.save is not None and not f.writes and frame.keeps(func)
+        if kept:
+            frame.stats.ops_saved += 1
+        if kept or f.never_replay:
+            pre = _before_writes(self, f, args, kwargs) if f.writes else None
+            out = func(*args, **kwargs)  # R2: not recorded
+            for root, _ in pre or ():
+                self._add_write(root, len(self.record.ops), None)
+            return out
+        try:
+            rargs = self.refs(args)
+        except Unrecordable:
+            return run_unrecorded(self, func, f, args, kwargs)
+        if (
+            f.meta_only
+            and args
+            and isinstance(args[0], Tensor)
+            and args[0].layout == torch.strided
+            and not is_wrapper(args[0])
+        ):
+            rargs[0] = MetaArg(args[0])
+        rkwargs = NO_KWARGS
+        if kwargs:
+            rkwargs = {}
+            try:
+                for k, a in kwargs.items():
+                    if isinstance(a, Tensor):
+                        a = self.ref(a)
+                    elif (type(a) is list or type(a) is tuple) and has_tensor(a):
+                        a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
+                    rkwargs[k] = a
+            except Unrecordable:
+                return run_unrecorded(self, func, f, args, kwargs)
+        rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
+        pre = _before_writes(self, f, args, kwargs) if f.writes else None
+
+        out = f.kernel(*args, **kwargs)  # func(...) without OpOverload.__call__'s Python frame
+
+        ops = self.record.ops
+        index = len(ops)
+        for root, t in pre or ():
+            self.unsettled.append((root, t, index))
+        if isinstance(out, Tensor):
+            outs: tuple[Var | None, ...] = (_new_var(self, out, f, 0, args, kwargs, rargs, rkwargs, index),)
+        elif isinstance(out, (tuple, list)):
+            outs = tuple(
+                _new_var(self, o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
+                for i, o in enumerate(out)
+            )
+        else:
+            outs = ()
+        if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
+            rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
+        ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
+        return out
+
+    @staticmethod
+    def _add_write(root: Group, index: int, version: int | None) -> None:
+        if not root.writes:
+            root.writes = []
+        root.writes.append((index, version))
+
+
+def _new_var(
+    rec: OpenBlock,
+    t: Tensor,
+    f: OpFacts,
+    i: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rargs: list[Any],
+    rkwargs: dict[str, Any],
+    index: int,
+) -> Var | None:
+    """The Var of a new tensor an op returned (its ``i``-th output), registered; None
+    for an output that is not a new tensor."""
+    kind = f.out_kind(i)
+    if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
+        return None  # not a new tensor
+    if type(t) is not Tensor and t.is_nested:
+        return None  # R8
+    root: Group | None = None
+    version = 0
+    if kind == VIEW:
+        where = f.view_arg(i)
+        src = rkwargs.get(where) if isinstance(where, str) else (rargs[where] if where < len(rargs) else None)
+        if isinstance(src, list):  # Tensor[] arguments (cat-like views are not a thing)
+            src = src[0] if src else None
+        if isinstance(src, (Var, Input)):
+            root = src.root
+        version = _version(t)
+    elif kind != NEW:  # pragma: no cover
+        internal_error(f"unknown output kind {kind} of {f.name}")
+    var = new_var(t, index, rec.frame, root, version)
+    if f.loose and isinstance(root, Var):
+        rec.record.loose.setdefault(root, []).append(var)
+    if rec.frame.debug:
+        if i in f.scratch:
+            rec.record.scratch.add(var)
+        elif not f.uninitialized:
+            rec.record.debug_values[var] = t.detach().clone()
+    register(var)
+    return var
+
+
+def _before_writes(
+    block: OpenBlock, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[Group, Tensor]]:
+    """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
+    out: list[tuple[Group, Tensor]] = []
+    for w in f.writes:
+        a = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+        # A Tensor[] argument (``_foreach_mul_``) writes each of its tensors.
+        for t in (a,) if isinstance(a, Tensor) else a if type(a) is list or type(a) is tuple else ():
+            if not isinstance(t, Tensor):
+                continue
+            root = block.ref(t).root
+            if isinstance(root, Input) and not root.snapshot:
+                block.inputs.before_write(root)
+            out.append((root, t))
+    return out
+
+
+def note_context(block: OpenBlock) -> None:
+    """R9: re-read the numeric context; a change applies from the next op on."""
+    ctx = numeric_context()
+    if ctx != block.context:
+        block.context = ctx
+        contexts = block.record.contexts
+        index = len(block.record.ops)
+        if contexts[-1][0] == index:
+            contexts[-1] = (index, ctx)
+        else:
+            contexts.append((index, ctx))
+
+
+def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
+    """R10: ``t`` (the tensor of ``var``, at another version than ``var`` was made
+    at) as a new Input if a write the record cannot replay changed it, else None."""
+    root = var.root
+    writes = root.writes
+    # With no recorded write the group is at its root's version: a view's own Var was
+    # made inside dispatch, before its counter was tied to its base's.
+    expected = writes[-1][1] if writes else root.version
+    if (expected is None and not writes) or t._version == expected or root in block.record.loose:
+        return None
+    if not writes or writes[-1][1] is not None:
+        block._add_write(root, len(block.record.ops), None)
+    return block.inputs.of(t, None)
+
+
+def _note_unseen(block: OpenBlock, alive: list[tuple[Var, Tensor]]) -> None:
+    """R10 at block exit: the block's live tensors (``alive``: Vars with their
+    tensors) written unseen since their last recorded read (values saved before
+    such a write must not be rebuilt)."""
+    for var, t in alive:
+        if not t.is_inference() and t._version != var.version:
+            unseen(block, var, t)
+
+
+def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an op that reads a jagged nested tensor (R8) without recording it; block
+    tensors inside an argument it writes to can no longer be replayed."""
+    out = func(*args, **kwargs)
+    index = len(rec.record.ops)
+    for w in f.writes:
+        t = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
+        if isinstance(t, Tensor):
+            for d in data_tensors(t):
+                e = _registry.lookup(d)
+                if e is not None and e.frame.owner is rec.owner:
+                    rec._add_write(e.root, index, None)  # type: ignore[attr-defined]
+    return out
+
+
+def _note_escaped(record: BlockRecord) -> None:
+    """At block exit (P8 in ``_restore.handles``): groups with separate-counter members alive now."""
+    for root, members in record.loose.items():
+        alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
+        if len(alive) > 1:
+            record.escaped[root] = alive
+
+
+def _has_float(args: tuple[Any, ...]) -> bool:
+    for a in args:
+        if type(a) is float or type(a) is complex:
+            return True
+    return False
+
+
+def has_tensor(seq: Any) -> bool:
+    """Whether the list or tuple ``seq`` holds a tensor."""
+    for x in seq:
+        if isinstance(x, Tensor):
+            return True
+    return False
+
+
+def _is_arg(t: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``t`` is one of the op's own arguments (an op that returned an input)."""
+    for a in (*args, *kwargs.values()):
+        if a is t or ((type(a) is list or type(a) is tuple) and any(x is t for x in a)):
+            return True
+    return False
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return 0

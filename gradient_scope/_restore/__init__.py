@@ -1,0 +1,11 @@
+"""Restore: a handle's value, from memory or by replaying the recorded ops it needs.
+
+- ``handles`` -- handles, each block's replay state and per-pass cache (RULES P1..P9:
+  what a replay keeps).
+- ``replay`` -- the replay itself: which recorded ops rebuild a value, which values the
+  pass keeps, running them (interpreted).
+- ``structure`` -- what replay derives once per record signature and shares among every
+  record of it: closures, programs, when each value is freed.
+- ``codegen`` -- a program that runs again, compiled into straight-line Python (RULES
+  C1..C2: when a replay program is compiled, and what its code depends on).
+"""

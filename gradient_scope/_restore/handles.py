@@ -1,0 +1,382 @@
+"""Restore: the value a handle stands for, from memory or by a replay of its block's record.
+
+Each block that has handles gets one :class:`ReplayState` (made with the block,
+held by its handles and by its live tensors' registry entries, so that it and
+the record die as soon as backward no longer needs the block). Which ops a
+replay runs, and running them, is ``_restore.replay``'s.
+
+RULES P1..P9: what a replay keeps.
+
+P1. Only the recorded ops in the dependency closure of the requested value
+    run, in recorded order, below autograd (no graph is built) with grad mode
+    on, as in forward (some kernels, e.g. ``mkldnn_rnn_layer``, return fewer
+    outputs under no_grad), and with autocast off: the record is already below
+    autocast, so it holds the casts forward made. Random ops run with the generator state they had in
+    forward, inside a fork that restores the ambient state.
+P2. A handle stands for its tensor as autograd saved it: the state of the
+    tensor's storage group after every write the block recorded whose version
+    is the saved one. (A kernel may save an argument before writing to it
+    without bumping its version, as ``rrelu_with_noise`` does with its noise:
+    that write is part of the saved value.) A recorded write that did bump the
+    version after the save raises PyTorch's own in-place error, as PyTorch does.
+P3. A value still in memory is used as it is: the tensor itself while it
+    lives, or an alias another block holds of it (R5 in ``_record.entry``).
+P4. Within one backward pass each op runs at most once: values that other
+    pending handles of the block will ask for (their own values, and the values
+    their replays will read) are cached, each entry held by at least one
+    pending handle; the cache is dropped when no pending handle is left or the
+    pass ends. A served value is not copied, so its consumer may write into it (a
+    custom backward using its saved tensor as scratch): each entry keeps the
+    version it was cached at; a written entry is rebuilt for the values derived
+    from it, and for a handle of the written tensor itself raises PyTorch's
+    in-place error, as autograd would. A view is handed out sharing its base's
+    version counter (``ViewSpec.apply``).
+P5. Every replayed output is checked against forward's shape, dtype and device
+    (and values with ``debug=True``); a mismatch raises :class:`RecomputeError`.
+P6. An outside tensor the block read must be unchanged: same version and same
+    storage. A freed storage is handed to the registered freed-storage
+    handlers (FSDP2 re-gathers its parameters) before it is an error.
+P7. A closed block's record (its ops and the aliases of its inputs) lives only
+    as long as one of its handles: when autograd has released the last one,
+    backward needs the block no more and the record is released, also while
+    some of the block's tensors live on (a key/value cache). Such a tensor,
+    saved after that, is stored.
+P8. A storage group with members of separate version counters (``unsafe_chunk``
+    pieces) that outlive the block can change without the saved tensor's version
+    changing: later saves of it are stored, and a handle made earlier checks
+    those members before a replay.
+P9. A value a budget stored (``_save.pack`` S4) is, while autograd holds it, read by
+    replays of other values as a cached value: their closures stop at it. A closed
+    block is released (P7) once no handle is left and no stored value is alive.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from .._base import errors as _errors
+from .._base.errors import RecomputeError, inplace_error, internal_error
+from .._base.torch_compat import below_autograd, current_graph_task, profiler_range, queue_engine_callback
+from .._record import recorder as _recorder
+from .._record.registry import tensor_of, value_in_memory
+from .._record.types import BlockRecord, Var, ViewSpec, moved
+from .replay import Derived, replay, same_values
+
+__all__ = ["Handle", "ReplayState", "materialize"]
+
+Tensor = torch.Tensor
+_REPLAY = "gradient_scope.replay"  # the profiler range of each replay pass
+
+
+class Handle:
+    """Stands in for a block tensor that autograd saved."""
+
+    __slots__ = ("state", "var", "version", "view", "check", "itself", "__weakref__")
+
+    def __init__(
+        self,
+        state: ReplayState,
+        var: Var,
+        version: int,
+        view: ViewSpec | None,
+        check: Tensor | None,
+        itself: bool,
+    ) -> None:
+        self.state = state
+        self.var = var  # of the tensor (or of the view's base); also its registry entry
+        self.version = version  # of the tensor when autograd saved it
+        self.view = view
+        self.check = check  # debug=True: an alias of the saved tensor, compared at unpack
+        # Whether autograd would keep the tensor itself (a saved input, not a view of a
+        # block tensor): then it sees a storage swap after the save (`.data = ...`);
+        # otherwise it keeps the data of the save.
+        self.itself = itself
+
+    def unpack(self) -> Tensor:
+        try:
+            return materialize(self)
+        except RecomputeError as e:
+            _errors.with_site(e, self.var.frame.site)
+            raise
+
+    def __del__(self) -> None:
+        # Autograd released this saved tensor (P7). At interpreter shutdown the
+        # slots may already be cleared.
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.dropped(id(self))
+
+
+def materialize(h: Handle) -> Tensor:
+    """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
+    ``debug=True`` it is always replayed, then compared with the saved tensor."""
+    t = h.var()
+    if t is not None and t._version != h.version:
+        raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
+    t = value_in_memory(h.var, h.version) if h.check is None else None
+    if t is not None and not h.itself and moved(h.var, t):
+        t = None  # swapped after the save: autograd would hand back the data of the save
+    if t is not None:
+        h.state.served(h)
+        with _recorder.paused():
+            value = t.detach()
+    else:
+        value = h.state.replay(h)
+    if h.view is not None:
+        with _recorder.paused(), below_autograd():
+            value = h.view.apply(value)
+    if h.check is not None and not same_values(value, h.check):
+        raise RecomputeError(
+            f"gradient_scope (debug): the recomputed {h.var.describe()} differs from the "
+            "tensor autograd saved, whose version did not change: it was written through "
+            "`.data`, a NumPy array (torch.from_numpy) or untyped_storage() after it was "
+            "saved, or a tensor the block read was. Do not write to tensors a block made or "
+            "read until backward has run."
+        )
+    return value
+
+
+class _Pass:
+    """Replay state of one block within one backward pass (P4). Pending handles are
+    held weakly; a handle that dies unserved releases what it held (``dropped``)."""
+
+    __slots__ = ("task", "cache", "versions", "refs", "holds", "pending")
+
+    def __init__(self, task: int, pending: dict[int, weakref.ref[Handle]]) -> None:
+        self.task = task
+        # Values keyed by (var, number of its group's writes applied), with the version
+        # each had when cached: a consumer may write into a value it was handed (a
+        # custom backward using its saved tensor as scratch), and the cache must see it.
+        self.cache: dict[tuple[Var, int], Tensor] = {}
+        self.versions: dict[tuple[Var, int], int] = {}
+        self.refs: dict[tuple[Var, int], int] = {}  # holders of each entry
+        # id(handle) -> the keys it holds; an id leaves before its handle dies.
+        self.holds: dict[int, list[tuple[Var, int]]] = {}
+        self.pending = dict(pending)  # id(handle) -> handle, not served in this pass yet
+
+    def hold(self, h: Handle, key: tuple[Var, int], value: Tensor) -> None:
+        if self.cache.get(key) is not value:
+            self.cache[key] = value
+            self.versions[key] = value._version
+        self.holds.setdefault(id(h), []).append(key)
+        self.refs[key] = self.refs.get(key, 0) + 1
+
+    def serve(self, h: Handle) -> None:
+        self.pending.pop(id(h), None)
+        self.release(id(h))
+
+    def release(self, hid: int) -> None:
+        for key in self.holds.pop(hid, ()):
+            n = self.refs[key] - 1
+            if n:
+                self.refs[key] = n
+            else:
+                del self.refs[key]
+                self.cache.pop(key, None)
+                self.versions.pop(key, None)
+
+    def written(self, key: tuple[Var, int]) -> bool:
+        """Whether the cached value of ``key`` was written since it was cached."""
+        return self.cache[key]._version != self.versions[key]
+
+    def drop_written(self) -> None:
+        """Forget cached values written since they were cached: replay rebuilds them."""
+        for key in [k for k in self.cache if self.written(k)]:
+            del self.cache[key]
+            del self.versions[key]
+
+
+class ReplayState:
+    """Replay bookkeeping of one block: its pending handles, the current pass's
+    cache, what replay derives from its record. Only this class writes them, under
+    ``lock``."""
+
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stored", "__weakref__")
+
+    def __init__(self, record: BlockRecord) -> None:
+        self.record: BlockRecord | None = record  # None once released (P7)
+        self.lock = threading.RLock()  # backward may run in another thread
+        self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
+        self.handles = 0  # live handles
+        self.current: _Pass | None = None
+        self.derived = Derived()  # what replay derives from the record, once closed
+        # P9: values a budget stored (the Stored alias, weakly: autograd owns it).
+        self.stored: dict[Var, weakref.ref[Tensor]] = {}
+
+    def note_stored(self, var: Var, alias: Tensor) -> None:
+        """``alias`` (held by autograd) is ``var``'s stored value (P9)."""
+        with self.lock:
+            self.stored[var] = weakref.ref(alias, _on_stored_death(weakref.ref(self)))
+
+    def pending_backward(self) -> bool:
+        """Whether backward may still use this block: handles pending or values stored."""
+        if self.record is None:
+            return False
+        return self.handles > 0 or any(r() is not None for r in list(self.stored.values()))
+
+    def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
+        """A pending handle standing for ``var`` saved at ``version`` (the save path
+        decided it is one: S1 in ``_save.pack``)."""
+        h = Handle(self, var, version, view, check, itself)
+        with self.lock:
+            self.pending[id(h)] = weakref.ref(h)
+            self.handles += 1
+        return h
+
+    def replay(self, h: Handle) -> Tensor:
+        """Recompute ``h``'s value (P1, P2, P4)."""
+        var = h.var
+        for _, post in var.root.writes:
+            if post is None:
+                raise RecomputeError(
+                    f"gradient_scope: cannot recompute a {var.describe()}: it was saved before the "
+                    "block wrote to it with an op that is not replayed. Likely cause: a collective, "
+                    "or a write the recorder did not see (a torch.compile'd function called in the "
+                    "block that writes its argument in place, or another thread). Fix: make that "
+                    "write out of place (or on a clone), do it before the tensor is saved, or keep "
+                    "the tensor out of the recompute_scope."
+                )
+            if post > h.version:
+                raise inplace_error(var.describe(), h.version, post)
+        record = self.record
+        if record is None:  # P7: a live handle keeps its record
+            internal_error("a block record was released early")
+        root = var.root
+        escaped = record.escaped.get(root, {}) if isinstance(root, Var) else {}
+        for member, version in escaped.items():  # P8
+            t = tensor_of(member)
+            if member is not var and (t is None or t._version != version):
+                raise RecomputeError(
+                    f"gradient_scope: cannot recompute a {var.describe()}: a tensor sharing its "
+                    "storage with a version counter of its own (an unsafe_split / unsafe_chunk "
+                    "piece) outlived the block and may have been written since. Keep such "
+                    "pieces inside the block, or the tensor out of the recompute_scope."
+                )
+        with self.lock:
+            task = current_graph_task()
+            ps = self._pass(task) if task != -1 else None
+            if ps is None:
+                with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
+                    return replay(record, self.derived, var, _with_stored(self.stored, {}), ())[0]
+            key = (var, len(var.root.writes))
+            cached = ps.cache.get(key)
+            if cached is not None:
+                if ps.written(key):  # the same tensor, written by an earlier consumer
+                    raise inplace_error(var.describe(), h.version, cached._version - ps.versions[key] + h.version)
+                self._served(ps, h)
+                return cached
+            ps.drop_written()
+            with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
+                cache = _with_stored(self.stored, ps.cache)
+                value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h))
+            for holder, key, v in holds:
+                ps.hold(holder, key, v)
+            self._served(ps, h)
+            return value
+
+    @staticmethod
+    def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
+        """The values the other pending handles of the pass will ask for that are
+        neither cached nor in memory (P4), with the handle that will ask."""
+        out: list[tuple[Var, Handle]] = []
+        for ref in list(ps.pending.values()):
+            h2 = ref()
+            if h2 is None or h2 is h:
+                continue
+            n2 = h2.var
+            if (n2, len(n2.root.writes)) in ps.cache:
+                continue
+            # A value in memory serves h2 (P3), except with debug=True, which replays:
+            # then h2 shares this replay's value, as its tensor shares storage in plain.
+            if h2.check is None and value_in_memory(h2.var, h2.version) is not None:
+                continue
+            out.append((n2, h2))
+        return out
+
+    def dropped(self, hid: int) -> None:
+        """Handle ``hid`` died: it releases what it held in the current pass; once
+        none is left after the block closed, the record is released (P7)."""
+        with self.lock:
+            self.handles -= 1
+            self.pending.pop(hid, None)
+            ps = self.current
+            if ps is not None:
+                ps.pending.pop(hid, None)
+                ps.release(hid)
+                if not ps.pending:
+                    self.current = None
+            self.release_if_done()
+
+    def release_if_done(self) -> None:
+        """P7, P9: a closed block with no handle left and no stored value alive is
+        released (call under ``lock``)."""
+        record = self.record
+        done = self.handles == 0 and record is not None and not record.open
+        if done and not any(r() is not None for r in self.stored.values()):
+            self.record = self.current = None
+            self.derived = Derived()
+            self.stored = {}
+
+    # -- P4 bookkeeping
+
+    def served(self, h: Handle) -> None:
+        """``h`` was served without a replay (its value is in memory)."""
+        with self.lock:
+            ps = self.current
+            if ps is not None and ps.task == current_graph_task():
+                self._served(ps, h)
+
+    def _pass(self, task: int) -> _Pass:
+        ps = self.current
+        if ps is None or ps.task != task:
+            ps = self.current = _Pass(task, self.pending)
+            ref = weakref.ref(self)  # the engine must not keep the block alive
+
+            def end() -> None:
+                state = ref()
+                if state is not None:
+                    state._end(task)
+
+            queue_engine_callback(end)
+        return ps
+
+    def _end(self, task: int) -> None:
+        with self.lock:
+            if self.current is not None and self.current.task == task:
+                self.current = None
+
+    def _served(self, ps: _Pass, h: Handle) -> None:
+        ps.serve(h)
+        if not ps.pending:
+            self.current = None  # nothing left to serve in this pass: free the cache
+
+
+def _with_stored(
+    stored: dict[Var, weakref.ref[Tensor]], cache: dict[tuple[Var, int], Tensor]
+) -> dict[tuple[Var, int], Tensor]:
+    """``cache`` and the stored values still held by autograd (P9)."""
+    if not stored:
+        return cache
+    out = dict(cache)
+    for var, ref in stored.items():
+        t = ref()
+        if t is not None and not var.root.writes and t._version == var.version:
+            out.setdefault((var, 0), t)
+    return out
+
+
+def _on_stored_death(ref: weakref.ref[ReplayState]) -> Callable[[object], None]:
+    """The callback of a stored value's weak reference: the last one may release its
+    block (P9). Holds its state weakly (no reference cycle)."""
+
+    def died(_: object) -> None:
+        state = ref()
+        if state is not None:
+            with state.lock:
+                state.release_if_done()
+
+    return died

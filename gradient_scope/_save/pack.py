@@ -1,0 +1,178 @@
+"""Save: what a save becomes -- a handle, the tensor as stored, or whatever the pair below ours makes.
+
+RULES S1..S4: what a save becomes.
+
+S1. A block tensor, or a view of one, saved while our pair applies to its
+    block, becomes a :class:`~gradient_scope._restore.handles.Handle` -- unless it must
+    be stored: its block's record is released (P7), another member of its
+    storage group may be written unseen (P8), or it changed in a way the block
+    did not record (its data swapped, or a write after the block).
+S2. Anything else goes to the pair below ours, exactly as without the scope.
+    With no pair below it is stored as autograd stores it: the tensor itself
+    (``saved is t`` when it does not require grad, as without hooks; a later
+    ``.data = ...`` is seen), but an output of the node that saves it, or what
+    may be one, as a detached alias (holding it would make a reference cycle
+    through the graph that the garbage collector cannot free). Its version is
+    checked at unpack: hooks switch PyTorch's own in-place check off.
+S3. Packing never reads the data of the tensor it packs: some kernels save an
+    argument before they write it.
+S4. A block tensor its frame's ``store`` decision (a memory budget's plan) picks
+    is stored as in S2; its replay state is told, so that replays of other values
+    read it instead of recomputing it (``_restore.handles`` P9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+
+from .._base.errors import inplace_error, internal_error
+from .._base.torch_compat import HookPair, node_sequence_nr, sequence_nr, without_python_dispatch
+from .._record import recorder as _recorder
+from .._record.registry import Entry, lookup
+from .._record.types import Input, Var, ViewSpec, moved
+
+__all__ = ["pack", "unpack", "add_pack_listener", "may_be_new_output", "Stored", "Foreign"]
+
+Tensor = torch.Tensor
+
+_listeners: list[Callable[[Tensor, Any], None]] = []
+
+
+def add_pack_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
+    """Call ``fn(tensor, handle)`` each time a save becomes a recompute handle.
+    Returns a function that removes the listener."""
+    _listeners.append(fn)
+
+    def remove() -> None:
+        if fn in _listeners:
+            _listeners.remove(fn)
+
+    return remove
+
+
+def may_be_new_output(t: Tensor) -> bool:
+    """Whether ``t``, being saved, may be an output of the autograd node saving it.
+    Autograd keeps a saved input itself (so it sees a later ``.data = ...``) and a
+    saved output as a shallow copy (holding it would be a reference cycle through
+    its own node); whoever keeps a saved tensor for autograd does the same, and
+    takes a shallow copy whenever this says "may be". Exact for leaves (never an
+    output) and for built-in ops (each node's saves are packed after the node is
+    made and before the next one is); a custom Function's saves are packed after
+    its forward, which may have made other nodes, so any custom Function output
+    may be one."""
+    g = t.grad_fn
+    if g is None:
+        return False
+    return node_sequence_nr(g) == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
+
+
+def _handle(entry: Entry, t: Tensor, view: ViewSpec | None) -> Any:
+    """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it (S1)."""
+    var: Var = entry  # type: ignore[assignment]  # only Vars are registered
+    root = var.root
+    if isinstance(root, Input):
+        return None  # a view of an outside tensor: storing it costs nothing extra
+    owner = var.frame.owner
+    if owner is None:
+        internal_error("a registered block tensor has no replay state")
+    record = owner.record
+    if record is None:
+        return None  # released (P7): the block cannot be replayed any more
+    if root in record.escaped:
+        return None  # another member may be written after the block unseen (P8)
+    base = t if view is None else t._base
+    if base is not None and moved(var, base):
+        return None  # its data was swapped after the block (`.data = ...`)
+    v = t._version
+    writes = root.writes
+    if v != (writes[-1][1] if writes else var.version):
+        return None  # changed by something the block did not record (e.g. after it)
+    new_output = may_be_new_output(t)
+    # debug=True compares the value at unpack with what autograd itself would hand back.
+    check = None
+    if var.frame.debug and var not in record.scratch:
+        check = t.detach() if new_output else t
+    h = owner.new_handle(var, v, view, check, view is None and not new_output)
+    stats = var.frame.stats
+    stats.tensors_packed += 1
+    stats.bytes_packed += t.numel() * t.element_size()
+    return h
+
+
+class Stored:
+    """A tensor kept as autograd would keep it, with its version (S2)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: Tensor, made_by_block: bool) -> None:
+        self.version = t._version
+        # A block tensor (or a view of one) is never kept itself: its liveness is what
+        # tells the block which of its tensors are still in memory (P3, P8).
+        if not t.requires_grad or not (made_by_block or may_be_new_output(t)):
+            self.t = t
+        elif type(t) is Tensor or type(t) is torch.nn.Parameter:
+            with without_python_dispatch():  # no mode needs to see this detach
+                self.t = t.detach()
+        else:
+            with _recorder.paused():  # a subclass must see its detach; no block records it
+                self.t = t.detach()
+
+    def unpack(self) -> Tensor:
+        t = self.t
+        if t._version != self.version:
+            raise inplace_error(f"{t.type()} {list(t.shape)}", self.version, t._version)
+        return t
+
+
+class Foreign:
+    """What the pair below ours made of a tensor."""
+
+    __slots__ = ("unpack_fn", "packed")
+
+    def __init__(self, unpack_fn: Callable[[Any], Tensor], packed: Any) -> None:
+        self.unpack_fn = unpack_fn
+        self.packed = packed
+
+    def unpack(self) -> Tensor:
+        return self.unpack_fn(self.packed)
+
+
+def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
+    """Pack ``t`` for our pair: ``below`` is the pair under it; with one, only
+    tensors of blocks with serial >= ``serial`` are ours (innermost wins)."""
+    entry = lookup(t)
+    view = None
+    made_by_block = entry is not None
+    if entry is None:
+        base = t._base
+        if base is not None:
+            entry = lookup(base)
+            if entry is not None:
+                made_by_block = True
+                view = ViewSpec.of(t, base)
+                if view is None:
+                    entry = None
+    if entry is not None and (below is None or entry.frame.serial >= serial):
+        _recorder.settle()
+        frame = entry.frame
+        if frame.store is not None and frame.store(entry, t):  # S4
+            stored = Stored(t, True)
+            if view is None and frame.owner is not None:
+                frame.owner.note_stored(entry, stored.t)
+            return stored
+        h = _handle(entry, t, view)  # S1
+        if h is not None:
+            for fn in _listeners:
+                fn(t, h)
+            return h
+    if below is not None:
+        return Foreign(below[1], below[0](t))
+    return Stored(t, made_by_block)
+
+
+def unpack(packed: Any) -> Tensor:
+    return packed.unpack()  # type: ignore[no-any-return]
