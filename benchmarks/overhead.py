@@ -52,20 +52,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
-from ._harness.strategies import sac_context
+from ._harness.strategies import NopMode, sac_context
 from ._harness.timing import frozen_gc, interleaved_rounds
 
-__all__ = ["run_overhead", "format_overhead", "NopMode"]
-
-
-class NopMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+__all__ = ["run_overhead", "format_overhead"]
 
 
 def _chain(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,79 +103,79 @@ def _configs(n: int, w: torch.Tensor, scopes: list[recompute_scope]) -> dict[str
     """The configurations, each ``x -> seconds measured``. ``scopes`` is set to the latest
     replay scope (its stats show whether backward replayed the chain)."""
 
-    def none_fwd(x):
+    def none_fwd(x: torch.Tensor) -> Any:
         _chain(x, n)
 
-    def nop_fwd(x):
+    def nop_fwd(x: torch.Tensor) -> Any:
         with NopMode():
             _chain(x, n)
 
-    def sac_fwd(x):
+    def sac_fwd(x: torch.Tensor) -> Any:
         checkpoint(_chain, x, n, use_reentrant=False, context_fn=sac_context)
 
-    def scope_fwd(x):
+    def scope_fwd(x: torch.Tensor) -> Any:
         with recompute_scope():
             _chain(x, n)
 
-    def none_fb(x):
+    def none_fb(x: torch.Tensor) -> Any:
         _chain(x, n).sum().backward()
 
-    def nop_fb(x):
+    def nop_fb(x: torch.Tensor) -> Any:
         with NopMode():
             h = _chain(x, n)
         h.sum().backward()
 
-    def sac_fb(x):
+    def sac_fb(x: torch.Tensor) -> Any:
         checkpoint(_chain, x, n, use_reentrant=False, context_fn=sac_context).sum().backward()
 
-    def scope_fb(x):
+    def scope_fb(x: torch.Tensor) -> Any:
         with recompute_scope():
             h = _chain(x, n)
         h.sum().backward()
 
-    def none_nograd(x):
+    def none_nograd(x: torch.Tensor) -> Any:
         with torch.no_grad():
             _chain(x, n)
 
-    def nop_nograd(x):
+    def nop_nograd(x: torch.Tensor) -> Any:
         with torch.no_grad(), NopMode():
             _chain(x, n)
 
-    def scope_nograd(x):
+    def scope_nograd(x: torch.Tensor) -> Any:
         with torch.no_grad():
             with recompute_scope():
                 _chain(x, n)
 
-    def scope_around_nograd(x):
+    def scope_around_nograd(x: torch.Tensor) -> Any:
         with recompute_scope():
             with torch.no_grad():
                 _chain(x, n)
 
-    def none_replay_fwd(x):
+    def none_replay_fwd(x: torch.Tensor) -> Any:
         return _chain_times(x, w, n)
 
-    def scope_replay_fwd(x):
+    def scope_replay_fwd(x: torch.Tensor) -> Any:
         scope = recompute_scope()
         scopes[:] = [scope]  # only the latest: an old scope must not keep its record alive
         with scope:
             return _chain_times(x, w, n)
 
-    def checkpoint_replay_fwd(x):
+    def checkpoint_replay_fwd(x: torch.Tensor) -> Any:
         return checkpoint(_chain_times, x, w, n, use_reentrant=False)
 
-    def nop_replay_fwd(x):
+    def nop_replay_fwd(x: torch.Tensor) -> Any:
         with NopMode():
             return _chain_times(x, w, n)
 
-    def scope_step(x):
+    def scope_step(x: torch.Tensor) -> Any:
         scope_replay_fwd(x).sum().backward()
 
-    def checkpoint_step(x):
+    def checkpoint_step(x: torch.Tensor) -> Any:
         checkpoint_replay_fwd(x).sum().backward()
 
     kernel = torch.ops.aten.mul.Tensor._op  # what a replay calls per op
 
-    def kernel_floor(x):
+    def kernel_floor(x: torch.Tensor) -> Any:
         h = x.detach()
         with torch._C._AutoDispatchBelowAutograd():
             for _ in range(n):

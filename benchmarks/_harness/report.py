@@ -1,13 +1,13 @@
-"""The report writer: number formats, the header and targets table of ``results.md``,
-``results.json`` + ``results.md`` on disk, charts, and the command-line plumbing every
-benchmark shares (output folder, device, log)."""
+"""The report writer: number formats, Markdown tables, the header and targets table of
+``results.md``, ``results.json`` + ``results.md`` on disk, charts, and the command-line
+plumbing every job shares (output folder, device, log)."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,15 +17,16 @@ __all__ = [
     "KiB",
     "fmt_mib",
     "fmt_x",
+    "fmt_ratio",
+    "md_table",
+    "Targets",
+    "aa_note",
     "header_lines",
-    "targets_markdown",
-    "targets_and_strategies",
-    "charts_and_warnings",
+    "sections",
     "write_results",
-    "finish",
-    "no_charts",
     "pyplot",
     "save_figure",
+    "grouped_bars",
     "results_dir",
     "resolve_device",
     "make_log",
@@ -47,13 +48,62 @@ def fmt_x(v: float | None) -> str:
     return "" if v is None else f"{v:.3f}x"
 
 
-def header_lines(
-    title: str, command: str, results: dict[str, Any], packages: Sequence[str] = (), load_note: str = ""
-) -> list[str]:
+def fmt_ratio(r: Mapping[str, Any] | None, base: str) -> str:
+    """``r``'s median per-round ratio to ``base`` with its interquartile range; empty if absent."""
+    if not r or f"ratio_vs_{base}" not in r:
+        return ""
+    q = r[f"ratio_vs_{base}_quartiles"]
+    return f"{r[f'ratio_vs_{base}']:.3f}x ({q[0]:.2f}-{q[1]:.2f})"
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table; the first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+class Targets(list[dict[str, Any]]):
+    """The targets of a run, each measured in it: rows of ``columns``, met (True, False or
+    None for not applicable) and a note."""
+
+    def __init__(self, columns: Sequence[str] = ("target", "measured")) -> None:
+        super().__init__()
+        self.columns = tuple(columns)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[dict[str, Any]]) -> Targets:
+        """``rows`` as Targets (rows read back from ``results.json``, or Targets already)."""
+        if isinstance(rows, Targets):
+            return rows
+        t = cls([k for k in rows[0] if k not in ("met", "note")] if rows else ("target", "measured"))
+        t.extend(rows)
+        return t
+
+    def add(self, *values: Any, met: bool | None, note: str = "") -> None:
+        self.append({**dict(zip(self.columns, values)), "met": met, "note": note})
+
+    def markdown(self) -> str:
+        def met(t: dict[str, Any]) -> str:
+            return "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
+
+        return md_table([*self.columns, "met?", "note"], ([*(t[c] for c in self.columns), met(t), t["note"]]
+                                                           for t in self))
+
+
+def aa_note(strategies: Mapping[str, Any], key: str = "plain_again", base: str = "plain") -> str:
+    """``A/A 1.003x (IQR 0.99-1.02)``: the A/A row's ratio to ``base``; empty if absent."""
+    text = fmt_ratio(strategies.get(key), base)
+    return f"A/A {text.replace('(', '(IQR ')}" if text else ""
+
+
+def header_lines(title: str, command: str, results: dict[str, Any], packages: Sequence[str] = ()) -> list[str]:
     """Title, the command and date, the machine, the versions and the load average
-    (``packages``: recorded versions to show after torch's; ``load_note`` ends that line)."""
+    (``packages``: recorded versions to show after torch's); a note when the machine was busy."""
     m = results["machine"]
     versions = "".join(f"{p} {m.get(p)}, " for p in packages)
+    load = [m.get("load_average_at_start", [0.0])[0], m.get("load_average_at_end", [0.0])[0]]
+    busy = max(load) > 0.5 * (m.get("cpu_cores") or 1)
     return [
         title,
         "",
@@ -65,43 +115,28 @@ def header_lines(
         f"- torch {m['torch']}, {versions}Python {m['python']}, gradient_scope {m['gradient_scope']}"
         + (f" (git {m['git_commit']})" if m.get("git_commit") else ""),
         f"- load average at start: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_start', []))};"
-        f" at end: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_end', []))}" + load_note,
+        f" at end: {', '.join(f'{x:.2f}' for x in m.get('load_average_at_end', []))}"
+        + (" -- **the machine was busy: timings are noisy** (memory figures are exact)" if busy else ""),
     ]
 
 
-def targets_markdown(T: list[dict[str, Any]], columns: Sequence[str] = ("target", "measured")) -> str:
-    """The targets as a Markdown table: ``columns``, then met? and note."""
-    lines = [
-        "| " + " | ".join(columns) + " | met? | note |",
-        "| " + " | ".join("---" for _ in columns) + " | --- | --- |",
-    ]
-    for t in T:
-        met = "n/a" if t["met"] is None else ("met" if t["met"] else "**missed**")
-        lines.append("| " + " | ".join(str(t[c]) for c in columns) + f" | {met} | {t['note']} |")
-    return "\n".join(lines)
-
-
-def targets_and_strategies(targets_table: str, descriptions: dict[str, str]) -> list[str]:
-    """The ``## Targets`` section (``targets_table``) and the ``## Strategies`` list of ``results.md``."""
-    return [
-        "## Targets",
-        "",
-        targets_table,
-        "",
-        "## Strategies",
-        "",
-        "\n".join(f"- `{k}`: {v}" for k, v in descriptions.items()),
-    ]
-
-
-def charts_and_warnings(charts: list[str], warnings: list[str]) -> list[str]:
-    """The ``## Charts`` (images) and ``## Warnings`` sections of ``results.md``, each only
-    where it has entries."""
+def sections(
+    targets: Targets | None = None,
+    descriptions: Mapping[str, str] | None = None,
+    charts: Sequence[str] = (),
+    warnings: Sequence[str] = (),
+) -> list[str]:
+    """The ``## Targets``, ``## Strategies``, ``## Charts`` and ``## Warnings`` sections of
+    ``results.md``, each only where it has entries."""
     out: list[str] = []
+    if targets:
+        out += ["## Targets", "", targets.markdown(), ""]
+    if descriptions:
+        out += ["## Strategies", "", *(f"- `{k}`: {v}" for k, v in descriptions.items()), ""]
     if charts:
-        out += ["## Charts", ""] + [f"![{c}]({c})" for c in charts] + [""]
+        out += ["## Charts", "", *(f"![{c}]({c})" for c in charts), ""]
     if warnings:
-        out += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+        out += ["## Warnings", "", *(f"- {w}" for w in warnings), ""]
     return out
 
 
@@ -111,29 +146,6 @@ def write_results(out_dir: str, results: dict[str, Any], markdown: str) -> None:
         json.dump(results, f, indent=1, default=str)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown)
-
-
-def finish(
-    results: dict[str, Any],
-    out_dir: str,
-    t_start: float,
-    to_markdown: Callable[[dict[str, Any], list[str]], str],
-    make_charts: Callable[[dict[str, Any], str], list[str]] | None = None,
-) -> str:
-    """End a run: the charts (``results["charts"]``, where ``make_charts`` is given), the
-    duration since ``t_start``, then ``results.json`` and ``results.md``; returns the Markdown."""
-    charts: list[str] = []
-    if make_charts is not None:
-        results["charts"] = charts = make_charts(results, out_dir)
-    results["duration_s"] = time.perf_counter() - t_start
-    md = to_markdown(results, charts)
-    write_results(out_dir, results, md)
-    return md
-
-
-def no_charts(results: dict[str, Any], out_dir: str) -> list[str]:
-    """The ``make_charts`` of ``--no-charts``: none."""
-    return []
 
 
 def pyplot() -> Any:
@@ -152,6 +164,25 @@ def save_figure(fig: Any, out_dir: str, name: str, files: list[str], dpi: int = 
     fig.savefig(os.path.join(out_dir, name), dpi=dpi)
     pyplot().close(fig)
     files.append(name)
+
+
+def grouped_bars(
+    ax: Any,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float | None]],
+    errors: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+) -> None:
+    """Bars of each series side by side for each group (None: no bar), with optional
+    (below, above) error bars per series."""
+    w = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        pts = [(i - 0.4 + w * (j + 0.5), v, k) for k, (i, v) in enumerate(enumerate(values)) if v is not None]
+        err = None
+        if errors and label in errors:
+            lo, hi = errors[label]
+            err = [[lo[k] for _, _, k in pts], [hi[k] for _, _, k in pts]]
+        ax.bar([x for x, _, _ in pts], [v for _, v, _ in pts], w, yerr=err, capsize=2, label=label, color=f"C{j}")
+    ax.set_xticks(range(len(groups)), groups, rotation=25, ha="right", fontsize=8)
 
 
 def results_dir(out: str | None, name: str) -> str:
