@@ -70,7 +70,7 @@ QUICK: dict[str, Any] = dict(size="quick", rounds=2, train_steps=2, depths=[2, 4
 TINY: dict[str, Any] = dict(size="tiny", rounds=1, train_steps=2, depths=[1, 2])
 # One warm-up step more than a Budget needs to plan; one step compared (no optimizer:
 # the copies share one set of weights, which is what lets the 8B-layer stack fit).
-GPU: dict[str, Any] = dict(rounds=5, train_steps=1, phase_timeout=110.0)
+GPU: dict[str, Any] = dict(rounds=5, train_steps=1, phase_timeout=100.0)
 
 # The depth-sweep target: the excess of a scope per layer over checkpoint per layer may
 # grow by at most this many layer inputs per added layer (memory figures are exact; the
@@ -570,21 +570,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if profiling:
         profiles: dict[str, Any] = {}
         for label, (model, sz, dt) in cases.items():
+            deadline = None if timeout is None else time.perf_counter() + timeout
             c, _ = _case(label, model, sz, device, getattr(torch, dt), a.seed, **overrides)
             for st in [a.cprofile] if a.cprofile else strategies:
                 if a.cprofile:
                     print(cprofile_step(c, st, a.seed, out_dir))
                     continue
+                per = profiles.setdefault(label, {})
+                if deadline is not None and time.perf_counter() > deadline:
+                    per[st] = {"error": "skipped: the time limit of this model was reached"}
+                    continue
                 try:
-                    profiles.setdefault(label, {})[st] = r = profile_device_step(c, st, a.seed, out_dir)
+                    per[st] = profile_device_step(c, st, a.seed, out_dir)
                 except Exception as e:  # noqa: BLE001 - a failing strategy is a result
-                    profiles.setdefault(label, {})[st] = r = {"error": f"{type(e).__name__}: {e}"[:500]}
+                    per[st] = {"error": f"{type(e).__name__}: {e}"[:500]}
                     free_device_memory(device)
-                log(f"  {label}/{st}: {r}")
+                log(f"  {label}/{st}: {per[st]}")
+                if a.profile_cuda:  # after each strategy: a run cut short keeps what it measured
+                    write_results(out_dir, {"argv": argv, "profiles": profiles}, _profiles_markdown(profiles))
             del c
             free_device_memory(device)
-        if a.profile_cuda:
-            write_results(out_dir, {"argv": argv, "profiles": profiles}, _profiles_markdown(profiles))
         log(f"wrote {out_dir}")
         return None if a.cprofile else {"profiles": profiles}
 
