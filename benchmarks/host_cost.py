@@ -40,7 +40,7 @@ __all__ = ["MODELS", "STRATEGIES", "count_ops", "per_layer", "main"]
 MODELS = ["llama", "mixtral"]
 STRATEGIES = ["plain", "mode_layer", "checkpoint", "scope_layer", "scope_layer_savemm", "budget50", AA]
 FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
-QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=2)
+QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
 
 
 def count_ops(model: str, size: str, seed: int) -> dict[str, float]:
@@ -81,7 +81,7 @@ def run_model(model: str, size: str, rounds: int, inner: int, warmup: int, seed:
     c: Case = built.case(model)
     c.warm_up(seed)
     layers = sum(1 for m in c.model.modules() if c.layers(m))
-    out = run_strategies(c, STRATEGIES, rounds, seed=seed, warmup=warmup, inner=inner, log=log)
+    out = run_strategies(c, STRATEGIES, rounds, seed=seed, warmup=warmup, inner=inner, memory=False, log=log)
     res = out["strategies"]
     ops = count_ops(model, size, seed)
     ops_step = ops["fwd_ops_per_layer"] + ops["bwd_ops_per_layer"]

@@ -109,13 +109,19 @@ class Runner:
         self.forward().backward()
         warn_if_interception_left(self.name, self.warnings)
 
-    def profiled_step(self, seed: int) -> dict[str, Any]:
-        """One step under the memory probe: held, peak, loss, gradients; then the optimizer step."""
+    def profiled_step(self, seed: int, probe: bool = True) -> dict[str, Any]:
+        """One step under the memory probe (``probe``): held, peak, loss, gradients; then the
+        optimizer step."""
         self.model.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
         gc.collect()
-        loss, held, peak = measure(self.forward, lambda loss: loss.backward(), self.device)
-        out = {"held": held, "peak": peak, "loss": loss.detach().clone(), "grads": self.grads()}
+        if probe:
+            loss, held, peak = measure(self.forward, lambda loss: loss.backward(), self.device)
+            out = {"held": held, "peak": peak}
+        else:
+            loss, out = self.forward(), {}
+            loss.backward()
+        out.update(loss=loss.detach().clone(), grads=self.grads())
         del loss
         if self.opt is not None:
             self.opt.step()
@@ -194,6 +200,7 @@ def run_strategies(
     warmup: int = 2,
     train_steps: int = 1,
     inner: int = 1,
+    memory: bool = True,
     lr: float = 1e-3,
     compile_kw: dict[str, Any] | None = None,
     deadline: float | None = None,
@@ -205,6 +212,7 @@ def run_strategies(
     Returns ``{"strategies": {name: results}, "warnings": [...], "rounds": rounds run}``.
     A strategy that raises is reported with its ``error`` and left out of the timing.
     Each timing round takes the least of ``inner`` steps per strategy (:meth:`Runner.timed_step`).
+    ``memory=False``: only plain's step goes through the memory probe (budgets need its bytes).
     With ``deadline`` (``time.perf_counter()``), strategies other than plain not started by then are
     skipped and no timing round starts after it. ``rounds=0``: memory and agreement only.
     """
@@ -228,12 +236,12 @@ def run_strategies(
             for _ in range(warmup):
                 runner.step(seed)
             gradient_scope.model_stats(runner.model, reset=True)
-            p = runner.profiled_step(seed)
+            p = runner.profiled_step(seed, probe=memory or s == "plain")
             stats = gradient_scope.model_stats(runner.model, reset=True)
             if stats.modules:  # the profiled step's scopes, summed
                 r["scopes"] = {"modules": len(stats.modules), **{k: getattr(stats, k) for k in _COUNTERS}}
             losses = [p["loss"]] + [runner.train_step(seed + i) for i in range(1, train_steps)]
-            r.update(held=p["held"], peak=p["peak"], losses=[float(x) for x in losses])
+            r.update({k: p[k] for k in ("held", "peak") if k in p}, losses=[float(x) for x in losses])
             if runner.budget is not None:
                 r.update(budget_bytes=runner.budget.bytes, planned_bytes=runner.budget.planned_bytes)
             outcome = {"grads": p["grads"], "losses": losses, "buffers": runner.buffers()}
