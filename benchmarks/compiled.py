@@ -3,23 +3,18 @@
     python -m benchmarks.compiled [--quick] [--threads N] [--rounds N] [--out DIR]
 
 Runs, on the benchmark GPT (``benchmarks/gpt.py``), from the same seed, in one process,
-each strategy compiled with ``torch.compile(model, backend="inductor", fullgraph=True)``:
-
-* ``plain``: no recomputation;
-* ``checkpoint``: ``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)`` per layer;
-* ``sac_matmul``: selective checkpointing per layer, MUST_SAVE matmuls and attention
-  kernels, PREFER_RECOMPUTE the rest (``create_selective_checkpoint_contexts``);
-* ``scope_layer``: ``with recompute_scope():`` around each layer;
-* ``scope_mlp``: ``recompute_scope()`` around the MLP activation ``gelu(fc1(x))`` only;
-* ``scope_act``: ``recompute_scope()`` around the MLP activation and the attention probabilities;
-* ``plain_again``: ``plain`` timed twice per round (A/A control: the noise floor).
+each strategy of ``benchmarks/_harness/strategies.py`` on its own copy of the model,
+compiled with ``torch.compile(model, backend="inductor", fullgraph=True)``: ``plain``,
+``checkpoint`` and ``sac_matmul`` per layer, ``scope_layer``, ``scope_mlp`` (the MLP
+activation only), ``scope_act`` (the MLP activation and the attention probabilities),
+and ``plain_again`` (compiled ``plain`` timed twice per round: the A/A control).
 
 Measured per strategy: **saved for backward**, the bytes of the distinct storages that
 autograd keeps for backward (a saved-tensor hook around the compiled call; parameters and
 the batch are not counted), **held after forward** and **peak** of forward + backward
-(``benchmarks/_harness/memory.py``: the CPU profiler's allocation log), and the **step time** of
-one forward + backward (median over interleaved rounds, order rotated each round, ratios
-are medians of per-round ratios). Gradients are compared with compiled ``plain``'s.
+(``benchmarks/_harness/memory.py``), and the **step time** of one forward + backward
+(median over interleaved rounds, order rotated each round, ratios are medians of
+per-round ratios). Gradients are compared with compiled ``plain``'s.
 
 A second, small measurement shows the per-op cost of a scope under compile: a chain of
 1000 ``h = h * 1.0001`` ops on an 8-element tensor, forward only, compiled with
@@ -33,7 +28,6 @@ Results go to ``benchmarks/results/cpu-compiled/`` (``--quick``: ``cpu-compiled-
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -45,151 +39,77 @@ import torch
 from gradient_scope import recompute_scope
 
 from ._harness.machine import machine_info, mark_end
-from ._harness.memory import measure
 from ._harness.report import (
     MiB,
-    finish,
+    Targets,
+    aa_note,
+    fmt_ratio,
     header_lines,
     make_log,
+    md_table,
     results_dir,
-    targets_and_strategies,
-    targets_markdown,
+    sections,
+    write_results,
 )
-from ._harness.strategies import AA, apply_gpt_strategy, profile_against_plain
+from ._harness.strategies import AA, DESCRIPTIONS, compare_tensors
+from ._harness.suite import Case, Runner
 from ._harness.timing import frozen_gc, interleaved_rounds, quartiles, ratio_summary, time_step
-from .gpt import GPT, GPTConfig, make_batch
+from .gpt import GPTConfig, case
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act"]
-DESCRIPTIONS = {
-    "plain": "no recomputation",
-    "checkpoint": "torch.utils.checkpoint per layer (use_reentrant=False)",
-    "sac_matmul": "selective checkpointing per layer: MUST_SAVE matmuls/attention, PREFER_RECOMPUTE the rest",
-    "scope_layer": "recompute_scope() around each layer",
-    "scope_mlp": "recompute_scope() around the MLP activation gelu(fc1(x)) only",
-    "scope_act": "recompute_scope() around gelu(fc1(x)) and around the attention probabilities",
-    AA: "plain again (A/A control: the noise floor of the time ratios)",
-}
-
-FULL = dict(model=GPTConfig(), rounds=10, chain_rounds=15)
-QUICK = dict(
-    model=GPTConfig(vocab=1024, seq=128, d_model=128, n_head=4, n_layer=2, batch=4),
-    rounds=3,
-    chain_rounds=5,
-    threads=1,
-)
+FULL: dict[str, Any] = dict(model=GPTConfig(), rounds=10, chain_rounds=15)
+QUICK: dict[str, Any] = dict(model=GPTConfig(vocab=1024, seq=128, d_model=128, n_head=4, n_layer=2, batch=4),
+                             rounds=3, chain_rounds=5, threads=1)
 CHAIN_OPS = 1000
+SEED = 0
 
 
-class SavedBytes:
-    """Distinct storages autograd saves for backward while active (bytes), except those
-    in ``exclude`` (parameters, the batch)."""
+def saved_bytes(runner: Runner, c: Case) -> tuple[int, int]:
+    """Bytes of the distinct storages autograd saves in one compiled forward (parameters,
+    buffers and the batch left out), and how many tensors it saves."""
+    exclude = {t.untyped_storage().data_ptr() for t in (*runner.model.parameters(), *runner.model.buffers(), *c.batch)}
+    storages: dict[int, int] = {}
+    count = [0]
 
-    def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages: dict[int, int] = {}
-        self.count = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
-        self.count += 1
-        if s.data_ptr() not in self.exclude:
-            self.storages[s.data_ptr()] = s.nbytes()
+        count[0] += 1
+        if s.data_ptr() not in exclude:
+            storages[s.data_ptr()] = s.nbytes()
         return t
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.storages.values())
+    runner.model.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = runner.forward()
+    loss.backward()
+    return sum(storages.values()), count[0]
 
 
-class CompiledBench:
-    """One compiled copy of the model per strategy, same weights and batch."""
-
-    def __init__(self, cfg: GPTConfig, seed: int) -> None:
-        self.cfg, self.seed = cfg, seed
-        self.x, self.y = make_batch(cfg, "cpu", seed)
-        self.models: dict[str, GPT] = {}
-        self.compiled: dict[str, Callable[..., torch.Tensor]] = {}
-        for name in [*STRATEGIES, AA]:
-            if name == AA:
-                m = self.models["plain"]
-            else:
-                torch.manual_seed(seed)  # the same weights in every copy
-                m = GPT(cfg)
-                m.train()
-            apply_gpt_strategy(m, name)  # module-level hooks: nothing is recorded per call
-            self.models[name] = m
-            self.compiled[name] = (
-                self.compiled["plain"] if name == AA else torch.compile(m, backend="inductor", fullgraph=True)
-            )
-
-    def _prepare(self, name: str) -> None:
-        self.models[name].zero_grad(set_to_none=True)
-        torch.manual_seed(self.seed)  # same dropout masks for every strategy
-
-    def step(self, name: str) -> torch.Tensor:
-        self._prepare(name)
-        return self._fwd_bwd(name)
-
-    def timed_step(self, name: str) -> float:
-        self._prepare(name)
-        return time_step(lambda: self._fwd_bwd(name))
-
-    def _fwd_bwd(self, name: str) -> torch.Tensor:
-        loss = self.compiled[name](self.x, self.y)
-        loss.backward()
-        return loss
-
-    def profiled_step(self, name: str) -> dict[str, Any]:
-        model = self.models[name]
-        model.zero_grad(set_to_none=True)
-        saved = SavedBytes([*model.parameters(), *model.buffers(), self.x, self.y])
-        torch.manual_seed(self.seed)
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            loss = self.compiled[name](self.x, self.y)
-        loss.backward()
-        out = {
-            "saved_bytes": saved.nbytes,
-            "saved_tensors": saved.count,
-            "loss": loss.item(),
-            "grads": [p.grad.detach().clone() for p in model.parameters()],
-        }
-        del loss
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.manual_seed(self.seed)
-        loss, held, peak = measure(lambda: self.compiled[name](self.x, self.y), lambda loss: loss.backward())
-        out["held"], out["peak"] = held, peak
-        del loss
-        return out
-
-
-def _grad_diffs(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, float]:
-    return {
-        "grad_max_abs_diff": max((g - p).abs().max().item() for g, p in zip(grads, ref)),
-        "grad_max_rel_diff": max(
-            ((g - p).abs().max() / p.abs().max().clamp_min(1e-30)).item() for g, p in zip(grads, ref)
-        ),
-    }
-
-
-def run_compiled_suite(cfg: GPTConfig, rounds: int, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+def run_compiled_suite(cfg: GPTConfig, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    bench = CompiledBench(cfg, seed)
-    compile_s: dict[str, float] = {}
-    for name in [*STRATEGIES, AA]:  # compile (forward and backward), then warm up
+    c = case(cfg, seed=SEED)
+    runners: dict[str, Runner] = {}
+    res: dict[str, dict[str, Any]] = {}
+    ref = None
+    for name in STRATEGIES:  # compile (forward and backward), then warm up
         t = time.perf_counter()
-        bench.step(name)
-        compile_s[name] = time.perf_counter() - t
-        bench.step(name)
-        log(f"  {name}: compiled in {compile_s[name]:.1f} s")
-    res = profile_against_plain(STRATEGIES, bench.profiled_step, _grad_diffs)
-    for name, r in res.items():
-        r["compile_s"] = compile_s[name]
-    timed = [*STRATEGIES, AA]
+        r = runners[name] = Runner(c, name, compile_kw={"backend": "inductor", "fullgraph": True})
+        r.step(SEED)
+        v = res[name] = {"compile_s": time.perf_counter() - t}
+        r.step(SEED)
+        v["saved_bytes"], v["saved_tensors"] = saved_bytes(r, c)
+        p = r.profiled_step(SEED)
+        v.update(held=p["held"], peak=p["peak"], loss=float(p["loss"]))
+        ref = p["grads"] if ref is None else ref
+        v["grads_vs_plain"] = compare_tensors(p["grads"], ref)
+        log(f"  {name}: compiled in {v['compile_s']:.1f} s")
+    del ref
+    runners[AA], res[AA] = runners["plain"], {}
     with frozen_gc():
-        times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
-    for name, summary in ratio_summary(times).items():
-        res.setdefault(name, {}).update(summary)
+        times = interleaved_rounds({n: r.timed_step for n, r in runners.items()}, rounds)
+    for name, summary in ratio_summary({n: [t["step"] for t in v] for n, v in times.items()}).items():
+        res[name].update(summary)
     log(f"  suite: {time.perf_counter() - t0:.1f} s")
     return {"config": cfg.asdict(), "strategies": res}
 
@@ -224,15 +144,12 @@ def run_chain(rounds: int, n: int = CHAIN_OPS) -> dict[str, Any]:
         f().sum().backward()
         f()
     times = interleaved_rounds({name: (lambda f=f: time_step(f)) for name, f in configs.items()}, rounds)
-    us = {k: 1e6 * statistics.median(v) / n for k, v in times.items()}
-    per_round = {
-        "compiled_scope-compiled": [1e6 * (a - b) / n for a, b in zip(times["compiled_scope"], times["compiled"])],
-        "eager_scope-eager": [1e6 * (a - b) / n for a, b in zip(times["eager_scope"], times["eager"])],
-    }
+    per_round = {f"{k}-{base}": [1e6 * (a - b) / n for a, b in zip(times[k], times[base])]
+                 for k, base in (("compiled_scope", "compiled"), ("eager_scope", "eager"))}
     return {
         "n_ops": n,
         "rounds": rounds,
-        "us_per_op": us,
+        "us_per_op": {k: 1e6 * statistics.median(v) / n for k, v in times.items()},
         "scope_cost_us_per_op": {k: statistics.median(v) for k, v in per_round.items()},
         "scope_cost_us_per_op_quartiles": {k: quartiles(v) for k, v in per_round.items()},
         "times_s": times,
@@ -242,117 +159,64 @@ def run_chain(rounds: int, n: int = CHAIN_OPS) -> dict[str, Any]:
 # ---------------------------------------------------------------------- report
 
 
-def compute_targets(main: dict[str, Any]) -> list[dict[str, Any]]:
+def compute_targets(main: dict[str, Any]) -> Targets:
     s = main["strategies"]
-    aa = s[AA]
-    noise = (
-        f"A/A {aa['ratio_vs_plain']:.3f}x (IQR {aa['ratio_vs_plain_quartiles'][0]:.3f}-"
-        f"{aa['ratio_vs_plain_quartiles'][1]:.3f})"
-    )
     sl, ck, sm, pl = s["scope_layer"], s["checkpoint"], s["scope_mlp"], s["plain"]
-    T = []
+    T, noise = Targets(), aa_note(s)
 
-    def add(target: str, measured: str, met: bool, note: str = "") -> None:
-        T.append({"target": target, "measured": measured, "met": met, "note": note})
+    def saved(a: dict[str, Any], b: dict[str, Any]) -> str:
+        x, y = a["saved_bytes"], b["saved_bytes"]
+        return f"{x / MiB:.2f} MiB vs {y / MiB:.2f} MiB ({x / y:.3f}x)"
 
-    add(
-        "compiled scope_layer saved-for-backward bytes <= compiled checkpoint's",
-        f"{sl['saved_bytes'] / MiB:.2f} MiB vs {ck['saved_bytes'] / MiB:.2f} MiB "
-        f"({sl['saved_bytes'] / ck['saved_bytes']:.3f}x)",
-        sl["saved_bytes"] <= ck["saved_bytes"],
-        f"held after forward: {sl['held'] / MiB:.2f} vs {ck['held'] / MiB:.2f} MiB",
-    )
-    add(
-        "compiled scope_layer step time <= 1.00x compiled checkpoint's",
-        f"{sl['ratio_vs_checkpoint']:.3f}x (IQR {sl['ratio_vs_checkpoint_quartiles'][0]:.3f}-"
-        f"{sl['ratio_vs_checkpoint_quartiles'][1]:.3f})",
-        sl["ratio_vs_checkpoint"] <= 1.00,
-        noise,
-    )
-    add(
-        "compiled scope_mlp saved-for-backward bytes <= 0.80x compiled plain's",
-        f"{sm['saved_bytes'] / MiB:.2f} MiB vs {pl['saved_bytes'] / MiB:.2f} MiB "
-        f"({sm['saved_bytes'] / pl['saved_bytes']:.3f}x)",
-        sm["saved_bytes"] <= 0.80 * pl["saved_bytes"],
-        f"held after forward: {sm['held'] / pl['held']:.3f}x plain's",
-    )
-    add(
-        "compiled scope_mlp step time <= 1.10x compiled plain's",
-        f"{sm['ratio_vs_plain']:.3f}x (IQR {sm['ratio_vs_plain_quartiles'][0]:.3f}-"
-        f"{sm['ratio_vs_plain_quartiles'][1]:.3f})",
-        sm["ratio_vs_plain"] <= 1.10,
-        noise,
-    )
+    T.add("compiled scope_layer saved-for-backward bytes <= compiled checkpoint's", saved(sl, ck),
+          met=sl["saved_bytes"] <= ck["saved_bytes"],
+          note=f"held after forward: {sl['held'] / MiB:.2f} vs {ck['held'] / MiB:.2f} MiB")
+    T.add("compiled scope_layer step time <= 1.00x compiled checkpoint's", fmt_ratio(sl, "checkpoint"),
+          met=sl["ratio_vs_checkpoint"] <= 1.00, note=noise)
+    T.add("compiled scope_mlp saved-for-backward bytes <= 0.80x compiled plain's", saved(sm, pl),
+          met=sm["saved_bytes"] <= 0.80 * pl["saved_bytes"],
+          note=f"held after forward: {sm['held'] / pl['held']:.3f}x plain's")
+    T.add("compiled scope_mlp step time <= 1.10x compiled plain's", fmt_ratio(sm, "plain"),
+          met=sm["ratio_vs_plain"] <= 1.10, note=noise)
     return T
 
 
 def to_markdown(results: dict[str, Any]) -> str:
     main, chain = results["main"], results["chain"]
-    cfg = GPTConfig(**main["config"])
     s = main["strategies"]
     pl = s["plain"]
+    rows = [[name, *([f"{v['saved_bytes'] / MiB:.2f}", f"{v['saved_bytes'] / pl['saved_bytes']:.3f}x",
+                      f"{v['held'] / MiB:.2f}", f"{v['peak'] / MiB:.2f}"] if "saved_bytes" in v else [""] * 4),
+             f"{1e3 * v['time_median_s']:.1f}", f"{v['ratio_vs_plain']:.3f}x", f"{v['ratio_vs_checkpoint']:.3f}x",
+             f"{v['grads_vs_plain']['max_rel_diff']:.1e}" if "grads_vs_plain" in v else "",
+             f"{v['compile_s']:.0f}" if "compile_s" in v else ""] for name, v in s.items()]
     lines = [
-        *header_lines(
-            "# gradient_scope benchmarks: compiled strategies (inductor)",
-            "benchmarks.compiled",
-            results,
-            load_note=" (the machine is shared: step times are noisy, see the A/A row)",
-        ),
-        f"- model: {cfg.describe()}",
+        *header_lines("# gradient_scope benchmarks: compiled strategies (inductor)", "benchmarks.compiled", results),
+        f"- model: {GPTConfig(**main['config']).describe()}",
         '- every strategy: `torch.compile(model, backend="inductor", fullgraph=True)`, one fwd+bwd step '
         "(no optimizer), same weights, batch and seed",
         "- saved for backward: distinct storages autograd keeps (saved-tensor hook around the compiled call; "
         "parameters and batch excluded); held / peak: CPU profiler (benchmarks/_harness/memory.py)",
         f"- step time: median of {results['rounds']} interleaved rounds; ratios are medians of per-round ratios",
         "",
-        *targets_and_strategies(targets_markdown(results["targets"]), DESCRIPTIONS),
-        "",
-        "| strategy | saved for bwd (MiB) | vs plain | held after fwd (MiB) | peak fwd+bwd (MiB) "
-        "| median step (ms) | time vs plain | time vs checkpoint | max rel grad diff vs plain | compile (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *sections(Targets.from_rows(results["targets"]), {k: DESCRIPTIONS[k] for k in [*STRATEGIES, AA]}),
+        md_table(["strategy", "saved for bwd (MiB)", "vs plain", "held after fwd (MiB)", "peak fwd+bwd (MiB)",
+                  "median step (ms)", "time vs plain", "time vs checkpoint", "max rel grad diff vs plain",
+                  "compile (s)"], rows),
     ]
-    for name, v in s.items():
-        has_mem = "saved_bytes" in v
-        lines.append(
-            "| {} | {} | {} | {} | {} | {:.1f} | {:.3f}x | {:.3f}x | {} | {} |".format(
-                name,
-                f"{v['saved_bytes'] / MiB:.2f}" if has_mem else "",
-                f"{v['saved_bytes'] / pl['saved_bytes']:.3f}x" if has_mem else "",
-                f"{v['held'] / MiB:.2f}" if has_mem else "",
-                f"{v['peak'] / MiB:.2f}" if has_mem else "",
-                1e3 * v["time_median_s"],
-                v["ratio_vs_plain"],
-                v["ratio_vs_checkpoint"],
-                f"{v['grad_max_rel_diff']:.1e}" if has_mem else "",
-                f"{v['compile_s']:.0f}" if has_mem else "",
-            )
-        )
-    if chain is None:
-        return "\n".join([*lines, ""])
-    c = chain["scope_cost_us_per_op"]
-    q = chain["scope_cost_us_per_op_quartiles"]
-    lines += [
-        "",
-        "## Per-op cost of a scope under compile",
-        "",
-        f"A chain of {chain['n_ops']} `h = h * 1.0001` ops on an 8-element tensor that requires grad, "
-        f"forward only, median of {chain['rounds']} interleaved rounds; compiled with `aot_eager` "
-        "(each op stays one call, so a per-op cost would show).",
-        "",
-        "| configuration | us per op |",
-        "| --- | ---: |",
-    ]
-    for k, v in chain["us_per_op"].items():
-        lines.append(f"| {k} | {v:.3f} |")
-    lines += [
-        "",
-        f"- scope cost under compile: {c['compiled_scope-compiled']:+.3f} us/op "
-        f"(IQR {q['compiled_scope-compiled'][0]:+.3f} to {q['compiled_scope-compiled'][1]:+.3f})",
-        f"- scope cost in eager (recording): {c['eager_scope-eager']:+.3f} us/op "
-        f"(IQR {q['eager_scope-eager'][0]:+.3f} to {q['eager_scope-eager'][1]:+.3f})",
-        "",
-    ]
-    return "\n".join(lines)
+    if chain is not None:
+        c, q = chain["scope_cost_us_per_op"], chain["scope_cost_us_per_op_quartiles"]
+        lines += [
+            "", "## Per-op cost of a scope under compile", "",
+            f"A chain of {chain['n_ops']} `h = h * 1.0001` ops on an 8-element tensor that requires grad, forward "
+            f"only, median of {chain['rounds']} interleaved rounds; compiled with `aot_eager` (each op stays one call, "
+            "so a per-op cost would show).", "",
+            md_table(["configuration", "us per op"], ([k, f"{v:.3f}"] for k, v in chain["us_per_op"].items())), "",
+            *(f"- scope cost {label}: {c[k]:+.3f} us/op (IQR {q[k][0]:+.3f} to {q[k][1]:+.3f})"
+              for label, k in (("under compile", "compiled_scope-compiled"), ("in eager (recording)",
+                                                                             "eager_scope-eager"))),
+        ]
+    return "\n".join([*lines, ""])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -360,16 +224,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.compiled", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, few rounds")
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (quick: 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (quick: 1)")
+    p.add_argument("--out")
     p.add_argument("--no-chain", action="store_true", help="skip the per-op cost measurement")
     a = p.parse_args(argv)
     preset = QUICK if a.quick else FULL
-    threads = a.threads if a.threads is not None else preset.get("threads")
-    if threads:
-        torch.set_num_threads(threads)
+    if a.threads or preset.get("threads"):
+        torch.set_num_threads(a.threads or preset["threads"])
     rounds = a.rounds or preset["rounds"]
     out_dir = results_dir(a.out, "cpu-compiled-quick" if a.quick else "cpu-compiled")
     # One compiled copy of the model per strategy: more than dynamo's default number of
@@ -378,21 +240,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     log = make_log(t0)
     machine = machine_info("cpu")
-    log(f"compiled strategies on {GPTConfig(**preset['model'].asdict()).describe()}")
-    main_res = run_compiled_suite(preset["model"], rounds, a.seed, log)
+    log(f"compiled strategies on {preset['model'].describe()}")
+    main_res = run_compiled_suite(preset["model"], rounds, log)
     chain = None if a.no_chain else run_chain(preset["chain_rounds"])
     mark_end(machine)
-    results: dict[str, Any] = {
-        "argv": argv,
-        "machine": machine,
-        "quick": a.quick,
-        "rounds": rounds,
-        "main": main_res,
-        "chain": chain,
-        "duration_s": time.perf_counter() - t0,
-    }
-    results["targets"] = compute_targets(main_res)
-    md = finish(results, out_dir, t0, lambda r, charts: to_markdown(r))
+    results: dict[str, Any] = {"argv": argv, "machine": machine, "quick": a.quick, "rounds": rounds,
+                               "main": main_res, "chain": chain, "targets": compute_targets(main_res)}
+    results["duration_s"] = time.perf_counter() - t0
+    md = to_markdown(results)
+    write_results(out_dir, results, md)
     print("\n" + md)
     log(f"written to {out_dir}")
     return results

@@ -9,20 +9,15 @@ then a final LayerNorm and an untied LM head, with a cross-entropy loss.
 
 Attention comes in two variants (``--attn``):
 
-* ``explicit``: ``softmax(q k^T / sqrt(d) + causal mask)`` with dropout, written out,
-  so the (B, heads, T, T) probabilities are real tensors that autograd saves;
+* ``explicit``: ``softmax(q k^T / sqrt(d) + causal mask)`` with dropout, written out
+  (:class:`AttnProbs`), so the (B, heads, T, T) probabilities are real tensors that
+  autograd saves;
 * ``sdpa``: ``F.scaled_dot_product_attention(..., is_causal=True, dropout_p=...)``.
 
-Recompute strategies are not baked into the model: the model asks two hooks, which a
-strategy sets (``benchmarks/_harness/strategies.py``):
-
-* ``model.layer_call(block, x)`` runs one block (default: ``block(x)``); layer-level
-  strategies wrap it (``torch.utils.checkpoint``, ``recompute_scope``, ...);
-* ``model.act_ctx(kind)`` returns a context manager entered around the attention
-  probabilities (``kind="attn_probs"``: scores, scale, mask, softmax, dropout) and around
-  the MLP activation (``kind="mlp_act"``: ``gelu(fc1(x))`` on the 3-D input);
-  default: ``contextlib.nullcontext()``. With ``sdpa`` attention the probabilities are
-  never materialised, so only ``mlp_act`` is asked for.
+The regions a strategy may put in scopes are modules: each :class:`Block` (a layer), the
+MLP activation ``gelu(fc1(x))`` (:class:`MLPAct`, on the 3-D input) and the attention
+probabilities (:class:`AttnProbs`: scores, scale, mask, softmax, dropout; never
+materialised with ``sdpa``). :func:`case` names them for the harness.
 
 Run ``python -m benchmarks.gpt`` to time one fwd+bwd step of the default size.
 """
@@ -30,16 +25,17 @@ Run ``python -m benchmarks.gpt`` to time one fwd+bwd step of the default size.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "add_model_args", "config_from_args", "make_batch"]
+from ._harness.suite import Case
+
+__all__ = ["GPTConfig", "GPT", "Block", "MLPAct", "AttnProbs", "make_batch", "case", "add_size_args", "config_from"]
 
 
 @dataclass
@@ -53,7 +49,7 @@ class GPTConfig:
     dropout: float = 0.1
     attn: str = "explicit"  # "explicit" | "sdpa"
 
-    def asdict(self) -> dict:
+    def asdict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
@@ -64,26 +60,30 @@ class GPTConfig:
         )
 
 
-def _no_ctx(kind: str):
-    return contextlib.nullcontext()
+class AttnProbs(nn.Module):
+    """``dropout(softmax(q k^T / sqrt(d) masked causally))``."""
 
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(cfg.dropout)
+        self.register_buffer("causal", torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1), persistent=False)
 
-def _call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return block(x)
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        T = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        att = att.masked_fill(self.causal[:T, :T], float("-inf"))
+        return self.drop(att.softmax(dim=-1))
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: GPT):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.d_model % cfg.n_head == 0
         self.cfg = cfg
-        self._owner = weakref.ref(owner)  # not a submodule, and no reference cycle
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.probs = AttnProbs(cfg)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        causal = torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).triu(1)
-        self.register_buffer("causal", causal, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -94,36 +94,40 @@ class CausalSelfAttention(nn.Module):
             p = self.cfg.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            with self._owner().act_ctx("attn_probs"):
-                att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))
-                att = att.masked_fill(self.causal[:T, :T], float("-inf"))
-                att = self.attn_drop(att.softmax(dim=-1))
-            y = att @ v
+            y = self.probs(q, k) @ v
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: GPT):
+class MLPAct(nn.Module):
+    """``gelu(fc1(x))`` (x is 3-D: F.linear reshapes around addmm)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self._owner = weakref.ref(owner)
         self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.fc1(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.act = MLPAct(cfg)
         self.fc2 = nn.Linear(4 * cfg.d_model, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self._owner().act_ctx("mlp_act"):
-            h = F.gelu(self.fc1(x))  # x is 3-D: F.linear reshapes around addmm
-        return self.drop(self.fc2(h))
+        return self.drop(self.fc2(self.act(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, owner: GPT):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg, owner)
+        self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg, owner)
+        self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -131,73 +135,89 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        # Strategy hooks (plain attributes, not modules).
-        self.layer_call = _call
-        self.act_ctx = _no_ctx
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, self) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-
-    def reset_strategy(self) -> None:
-        self.layer_call = _call
-        self.act_ctx = _no_ctx
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        call = self.layer_call
         for block in self.blocks:
-            x = call(block, x)
+            x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.view(-1))
 
 
-def make_batch(cfg: GPTConfig, device: str | torch.device = "cpu", seed: int = 0):
+def make_batch(cfg: GPTConfig, device: str | torch.device = "cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic (tokens, targets), deterministic in ``seed``."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
     return data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
 
 
-# ---------------------------------------------------------------------------- flags
+def _is_block(m: nn.Module) -> bool:
+    return isinstance(m, Block)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    d = GPTConfig()
-    g = p.add_argument_group("model size")
-    g.add_argument("--layers", type=int, default=d.n_layer, help=f"transformer blocks (default {d.n_layer})")
-    g.add_argument("--d-model", type=int, default=d.d_model, help=f"model width (default {d.d_model})")
-    g.add_argument("--heads", type=int, default=d.n_head, help=f"attention heads (default {d.n_head})")
-    g.add_argument("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
-    g.add_argument("--batch", type=int, default=d.batch, help=f"batch size (default {d.batch})")
-    g.add_argument("--vocab", type=int, default=d.vocab, help=f"vocabulary size (default {d.vocab})")
-    g.add_argument("--dropout", type=float, default=d.dropout, help=f"dropout (default {d.dropout})")
-    g.add_argument(
-        "--attn",
-        choices=["explicit", "sdpa"],
-        default=d.attn,
-        help="attention: explicit softmax (default) or F.scaled_dot_product_attention",
+def _is_mlp_act(m: nn.Module) -> bool:
+    return isinstance(m, MLPAct)
+
+
+def _is_act(m: nn.Module) -> bool:
+    return isinstance(m, (MLPAct, AttnProbs))
+
+
+def _is_attn_mlp(m: nn.Module) -> bool:
+    return isinstance(m, (CausalSelfAttention, MLP))
+
+
+def case(cfg: GPTConfig, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> Case:
+    """The GPT (weights from ``torch.manual_seed(seed)``, ``train()`` mode) and its batch as
+    a harness :class:`Case`: layers are the blocks; ``scope_mlp`` scopes the MLP activation,
+    ``scope_act`` it and the attention probabilities, ``scope_attn_mlp`` the attention and
+    the MLP modules."""
+    torch.manual_seed(seed)
+    model = GPT(cfg).to(device=device, dtype=dtype).train()
+    x, y = make_batch(cfg, device, seed)
+    return Case(
+        "gpt",
+        model,
+        lambda m: m(x, y),
+        _is_block,
+        {"scope_mlp": _is_mlp_act, "scope_act": _is_act, "scope_attn_mlp": _is_attn_mlp},
+        device,
+        cfg.asdict(),
+        (x, y),
     )
 
 
-def config_from_args(a: argparse.Namespace) -> GPTConfig:
-    return GPTConfig(
-        vocab=a.vocab,
-        seq=a.seq,
-        d_model=a.d_model,
-        n_head=a.heads,
-        n_layer=a.layers,
-        batch=a.batch,
-        dropout=a.dropout,
-        attn=a.attn,
-    )
+_FLAGS = {"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "seq": "seq", "batch": "batch",
+          "vocab": "vocab", "dropout": "dropout", "attn": "attn"}
+
+
+def add_size_args(p: argparse.ArgumentParser) -> None:
+    """The size flags (``--layers --d-model --heads --seq --batch --vocab --dropout --attn``);
+    unset, they keep the job's size."""
+    g = p.add_argument_group("model size (default: the job's size)")
+    types = {f.name: f.type for f in fields(GPTConfig)}
+    for flag, key in _FLAGS.items():
+        if key == "attn":
+            g.add_argument("--attn", choices=["explicit", "sdpa"],
+                           help="explicit softmax or F.scaled_dot_product_attention")
+        else:
+            g.add_argument("--" + flag.replace("_", "-"), type=float if types[key] == "float" else int)
+
+
+def config_from(base: GPTConfig, a: argparse.Namespace) -> GPTConfig:
+    """``base`` with the size flags that were given."""
+    return GPTConfig(**{**base.asdict(), **{k: getattr(a, f) for f, k in _FLAGS.items() if getattr(a, f) is not None}})
 
 
 def _main() -> None:
@@ -205,23 +225,21 @@ def _main() -> None:
     import time
 
     p = argparse.ArgumentParser(description="Time fwd+bwd steps of the benchmark GPT.")
-    add_model_args(p)
+    add_size_args(p)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
-    cfg = config_from_args(a)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(a.device)
-    x, y = make_batch(cfg, a.device)
-    n_params = sum(p.numel() for p in model.parameters())
+    cfg = config_from(GPTConfig(), a)
+    c = case(cfg, a.device)
     times = []
     for _ in range(a.steps + 1):
-        model.zero_grad(set_to_none=True)
+        c.model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        model(x, y).backward()
+        c.loss(c.model).backward()
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in c.model.parameters())
     print(f"{cfg.describe()}; {n_params / 1e6:.2f} M parameters")
     print(f"fwd+bwd: median {1e3 * statistics.median(times[1:]):.1f} ms over {a.steps} steps "
           f"(first {1e3 * times[0]:.1f} ms)")

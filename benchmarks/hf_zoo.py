@@ -1,9 +1,11 @@
-"""The real models of ``benchmarks/models.py``: Hugging Face transformers models built
-from small configs with random weights (nothing is downloaded).
+"""The Hugging Face models every job runs: transformers models built from configs with
+random weights (nothing is downloaded).
 
 Each :class:`ModelSpec` builds a model and a batch for a named size (``full``: one
 fwd+bwd step takes roughly 0.1-0.5 s on one core of a 2-core CPU; ``quick``; ``tiny``:
-for tests; ``sweep``: the cheap model of the depth sweep) and says
+for tests; ``sweep``: the cheap model of the depth sweep; ``host``: 8 layers of width 64,
+where a step is almost all host work; ``gpu``, ``gpu768``, ``8b_stack``: the GPU sizes of
+:data:`GPU_SUITE`) and says
 
 * which modules are the model's **layers** (``torch.utils.checkpoint`` per layer,
   ``apply_recompute`` per layer): ``transformers.modeling_layers.GradientCheckpointingLayer``
@@ -29,9 +31,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Built", "ModelSpec", "MODELS", "DEFAULT_MODELS", "SIZES", "build", "preload"]
+from ._harness.suite import Case
 
-SIZES = ("full", "quick", "tiny", "sweep")
+__all__ = ["Built", "ModelSpec", "MODELS", "DEFAULT_MODELS", "GPU_SUITE", "build", "preload"]
+
+_PART = "_benchmarks_part"  # marks the attention/MLP modules; deep copies keep the mark
 
 
 @dataclass
@@ -43,12 +47,27 @@ class Built:
     config: dict[str, Any]
     is_layer: Callable[[nn.Module], bool]
     layer_class: str
-    part_names: list[str]
+    n_parts: int
     parts_desc: str
 
-    def parts_of(self, model: nn.Module) -> list[nn.Module]:
-        """The attention/MLP modules of ``model`` (this model or a deep copy of it)."""
-        return [model.get_submodule(n) for n in self.part_names]
+    def case(self, name: str, device: str = "cpu") -> Case:
+        """The model as a harness :class:`Case` (its batch already on ``device``)."""
+        batch = self.batch
+        return Case(
+            name,
+            self.model,
+            lambda m: m(**batch).loss,
+            self.is_layer,
+            {"scope_attn_mlp": is_part},
+            device,
+            self.config,
+            tuple(batch.values()),
+        )
+
+
+def is_part(m: nn.Module) -> bool:
+    """Whether ``m`` is one of the attention/MLP modules :func:`build` chose."""
+    return getattr(m, _PART, False)
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,7 @@ class ModelSpec:
 
 
 def _tokens(gen: torch.Generator, vocab: int, batch: int, seq: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, seq), generator=gen)
+    return torch.randint(0, vocab, (batch, seq), generator=gen, device="cpu")
 
 
 def _make_gpt2(gen: torch.Generator, *, layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int):
@@ -104,6 +123,7 @@ def _make_decoder(
     batch: int,
     vocab: int,
     experts: int | None = None,
+    attn_dropout: float = 0.1,
 ):
     """A Llama-style causal LM (``family`` ``"Llama"`` or ``"Mixtral"``: ``experts`` experts, top-2)."""
     import transformers
@@ -118,7 +138,7 @@ def _make_decoder(
         num_key_value_heads=kv_heads,
         **moe,
         max_position_embeddings=seq,
-        attention_dropout=0.1,
+        attention_dropout=attn_dropout,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
@@ -142,7 +162,7 @@ def _make_bert(
         max_position_embeddings=seq,  # dropouts: 0.1 (config default)
     )
     ids = _tokens(gen, vocab, batch, seq)
-    labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
+    labels = torch.where(torch.rand(ids.shape, generator=gen, device="cpu") < 0.15, ids, torch.full_like(ids, -100))
     return BertForMaskedLM(cfg), {"input_ids": ids, "labels": labels}
 
 
@@ -184,8 +204,8 @@ def _make_vit(
         hidden_dropout_prob=0.1,
         attention_probs_dropout_prob=0.1,
     )
-    pixels = torch.randn(batch, 3, image, image, generator=gen)
-    labels = torch.randint(0, 10, (batch,), generator=gen)
+    pixels = torch.randn(batch, 3, image, image, generator=gen, device="cpu")
+    labels = torch.randint(0, 10, (batch,), generator=gen, device="cpu")
     return ViTForImageClassification(cfg), {"pixel_values": pixels, "labels": labels}
 
 
@@ -199,8 +219,8 @@ def _make_resnet(gen: torch.Generator, *, widths: list[int], depths: list[int], 
         layer_type="basic",
         num_labels=10,
     )
-    pixels = torch.randn(batch, 3, image, image, generator=gen)
-    labels = torch.randint(0, 10, (batch,), generator=gen)
+    pixels = torch.randn(batch, 3, image, image, generator=gen, device="cpu")
+    labels = torch.randint(0, 10, (batch,), generator=gen, device="cpu")
     return ResNetForImageClassification(cfg), {"pixel_values": pixels, "labels": labels}
 
 
@@ -212,6 +232,10 @@ def _resnet_branches(model: nn.Module) -> list[nn.Module]:
 _LM = dict(seq=128, batch=4, vocab=2048)
 _LM_QUICK = dict(seq=64, batch=2, vocab=512)
 _LM_TINY = dict(seq=16, batch=2, vocab=64)
+# Host cost: tensors so small that a step is almost only the host's work per op.
+_HOST = dict(layers=8, hidden=64, heads=4, kv_heads=2, seq=32, batch=1, vocab=128)
+# GPU sizes (issue 26); no dropout in attention, as in the pretraining of these families.
+_GPU = dict(vocab=32000, batch=4, attn_dropout=0.0)
 
 MODELS: dict[str, ModelSpec] = {
     s.name: s
@@ -228,11 +252,12 @@ MODELS: dict[str, ModelSpec] = {
                 "quick": dict(layers=2, hidden=128, heads=4, **_LM_QUICK),
                 "tiny": dict(layers=2, hidden=32, heads=2, **_LM_TINY),
                 "sweep": dict(layers=4, hidden=128, heads=4, seq=64, batch=2, vocab=256),
+                "gpu": dict(layers=8, hidden=1024, heads=16, seq=1024, batch=4, vocab=50257),
             },
         ),
         ModelSpec(
             "llama",
-            "LlamaForCausalLM (RMSNorm, rotary, GQA 4q/2kv heads, SwiGLU, attention dropout 0.1)",
+            "LlamaForCausalLM (RMSNorm, rotary, GQA, SwiGLU, attention dropout 0.1 unless attn_dropout)",
             block="LlamaDecoderLayer",
             parts=("LlamaAttention", "LlamaMLP"),
             parts_desc="LlamaAttention, LlamaMLP",
@@ -241,6 +266,12 @@ MODELS: dict[str, ModelSpec] = {
                 "full": dict(layers=4, hidden=256, heads=4, kv_heads=2, ffn=688, **_LM),
                 "quick": dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=344, **_LM_QUICK),
                 "tiny": dict(layers=2, hidden=32, heads=2, kv_heads=1, ffn=64, **_LM_TINY),
+                "host": dict(ffn=128, **_HOST),
+                "gpu": dict(layers=8, hidden=2048, heads=16, kv_heads=4, ffn=5632, seq=2048, **_GPU),
+                "gpu768": dict(layers=8, hidden=768, heads=12, kv_heads=4, ffn=2048, seq=1024, **_GPU),
+                # Llama-3-8B's layer; as many layers as fit (models --layers).
+                "8b_stack": dict(layers=16, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096,
+                                 **{**_GPU, "batch": 1}),
             },
         ),
         ModelSpec(
@@ -298,7 +329,7 @@ MODELS: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "mixtral",
-            "MixtralForCausalLM (sparse MoE: 4 experts, top-2 routing, GQA, attention dropout 0.1)",
+            "MixtralForCausalLM (sparse MoE, top-2 routing, GQA, attention dropout 0.1 unless attn_dropout)",
             block="MixtralDecoderLayer",
             parts=("MixtralAttention", "MixtralSparseMoeBlock"),
             parts_desc="MixtralAttention, MixtralSparseMoeBlock",
@@ -307,12 +338,23 @@ MODELS: dict[str, ModelSpec] = {
                 "full": dict(layers=4, hidden=192, heads=4, kv_heads=2, ffn=384, experts=4, **_LM),
                 "quick": dict(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, experts=4, **_LM_QUICK),
                 "tiny": dict(layers=2, hidden=32, heads=2, kv_heads=1, ffn=64, experts=4, **_LM_TINY),
+                "host": dict(ffn=32, experts=8, **_HOST),
+                "gpu": dict(layers=4, hidden=1024, heads=16, kv_heads=4, ffn=3584, experts=8, seq=1024, **_GPU),
             },
         ),
     )
 }
 
-DEFAULT_MODELS = list(MODELS)
+DEFAULT_MODELS = ["gpt2", "llama", "bert", "resnet", "vit", "t5", "mixtral"]
+
+# The GPU benchmark of issue 26: label -> (model, size, dtype).
+GPU_SUITE: dict[str, tuple[str, str, str]] = {
+    "llama": ("llama", "gpu", "bfloat16"),
+    "mixtral": ("mixtral", "gpu", "bfloat16"),
+    "llama768": ("llama", "gpu768", "bfloat16"),
+    "gpt2": ("gpt2", "gpu", "float32"),
+    "llama8b_stack": ("llama", "8b_stack", "bfloat16"),
+}
 
 
 def preload(names: list[str]) -> None:
@@ -329,10 +371,12 @@ def preload(names: list[str]) -> None:
         importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
-def build(name: str, size: str, seed: int, **overrides: Any) -> Built:
+def build(
+    name: str, size: str, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides: Any
+) -> Built:
     """Build model ``name`` at ``size`` (``overrides`` replace size fields, e.g. ``layers=``),
-    with weights from ``torch.manual_seed(seed)`` and a batch from a generator seeded with
-    ``seed``. The model is in ``train()`` mode, on CPU, in float32.
+    with weights from ``torch.manual_seed(seed)`` made on ``device`` in ``dtype`` and a batch
+    from a generator seeded with ``seed``, moved there. The model is in ``train()`` mode.
 
     Example::
 
@@ -350,8 +394,15 @@ def build(name: str, size: str, seed: int, **overrides: Any) -> Built:
     kw = {**spec.sizes[size], **overrides}
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model, batch = spec.make(gen, **kw)
-    model.train()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # weights made in place on the device: no float32 copy on the host
+    try:
+        with torch.device(device):
+            model, batch = spec.make(gen, **kw)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.to(device=device, dtype=dtype).train()
+    batch = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
 
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -367,11 +418,12 @@ def build(name: str, size: str, seed: int, **overrides: Any) -> Built:
         is_layer = lambda m: isinstance(m, block_cls)
         layer_class = spec.block
     if spec.select_parts is not None:
-        chosen = {id(m) for m in spec.select_parts(model)}
+        parts = spec.select_parts(model)
     else:
-        chosen = {id(m) for m in model.modules() if type(m).__name__ in spec.parts}
-    part_names = [n for n, m in model.named_modules() if id(m) in chosen]
-    if not part_names:
+        parts = [m for m in model.modules() if type(m).__name__ in spec.parts]
+    if not parts:
         raise RuntimeError(f"{name}: none of the modules {spec.parts_desc} found (transformers version?)")
+    for m in parts:
+        setattr(m, _PART, True)
     config = {"model": spec.description, **kw, "parameters": sum(p.numel() for p in model.parameters())}
-    return Built(model, batch, config, is_layer, layer_class, part_names, spec.parts_desc)
+    return Built(model, batch, config, is_layer, layer_class, len(parts), spec.parts_desc)

@@ -45,6 +45,7 @@ Run alone: ``python -m benchmarks.overhead [--ops 1000] [--rounds 15]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -52,20 +53,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from gradient_scope import recompute_scope
 
-from ._harness.strategies import sac_context
+from ._harness.strategies import NopMode, sac_context
 from ._harness.timing import frozen_gc, interleaved_rounds
 
-__all__ = ["run_overhead", "format_overhead", "NopMode"]
-
-
-class NopMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
+__all__ = ["run_overhead", "format_overhead"]
 
 
 def _chain(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,104 +104,60 @@ def _configs(n: int, w: torch.Tensor, scopes: list[recompute_scope]) -> dict[str
     """The configurations, each ``x -> seconds measured``. ``scopes`` is set to the latest
     replay scope (its stats show whether backward replayed the chain)."""
 
-    def none_fwd(x):
-        _chain(x, n)
+    def chain_in(*regions: Callable[[], Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The chain inside the context managers ``regions()`` (outermost first)."""
 
-    def nop_fwd(x):
-        with NopMode():
-            _chain(x, n)
+        def run(x: torch.Tensor) -> torch.Tensor:
+            with contextlib.ExitStack() as stack:
+                for region in regions:
+                    stack.enter_context(region())
+                return _chain(x, n)
 
-    def sac_fwd(x):
-        checkpoint(_chain, x, n, use_reentrant=False, context_fn=sac_context)
+        return run
 
-    def scope_fwd(x):
-        with recompute_scope():
-            _chain(x, n)
+    def sac(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(_chain, x, n, use_reentrant=False, context_fn=sac_context)
 
-    def none_fb(x):
-        _chain(x, n).sum().backward()
+    fwd = {"none": chain_in(), "nop_mode": chain_in(NopMode), "sac": sac, "scope": chain_in(recompute_scope)}
 
-    def nop_fb(x):
-        with NopMode():
-            h = _chain(x, n)
-        h.sum().backward()
-
-    def sac_fb(x):
-        checkpoint(_chain, x, n, use_reentrant=False, context_fn=sac_context).sum().backward()
-
-    def scope_fb(x):
-        with recompute_scope():
-            h = _chain(x, n)
-        h.sum().backward()
-
-    def none_nograd(x):
-        with torch.no_grad():
-            _chain(x, n)
-
-    def nop_nograd(x):
-        with torch.no_grad(), NopMode():
-            _chain(x, n)
-
-    def scope_nograd(x):
-        with torch.no_grad():
-            with recompute_scope():
-                _chain(x, n)
-
-    def scope_around_nograd(x):
-        with recompute_scope():
-            with torch.no_grad():
-                _chain(x, n)
-
-    def none_replay_fwd(x):
-        return _chain_times(x, w, n)
-
-    def scope_replay_fwd(x):
+    def scope_replay_fwd(x: torch.Tensor) -> torch.Tensor:
         scope = recompute_scope()
         scopes[:] = [scope]  # only the latest: an old scope must not keep its record alive
         with scope:
             return _chain_times(x, w, n)
 
-    def checkpoint_replay_fwd(x):
+    def checkpoint_replay_fwd(x: torch.Tensor) -> torch.Tensor:
         return checkpoint(_chain_times, x, w, n, use_reentrant=False)
 
-    def nop_replay_fwd(x):
+    def nop_replay_fwd(x: torch.Tensor) -> torch.Tensor:
         with NopMode():
             return _chain_times(x, w, n)
 
-    def scope_step(x):
-        scope_replay_fwd(x).sum().backward()
-
-    def checkpoint_step(x):
-        checkpoint_replay_fwd(x).sum().backward()
-
     kernel = torch.ops.aten.mul.Tensor._op  # what a replay calls per op
 
-    def kernel_floor(x):
+    def kernel_floor(x: torch.Tensor) -> None:
         h = x.detach()
         with torch._C._AutoDispatchBelowAutograd():
             for _ in range(n):
                 h = kernel(h, 1.0001)
 
+    def then_backward(f: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], None]:
+        return lambda x: f(x).sum().backward()
+
     return {
-        "none/fwd": _whole(none_fwd),
-        "nop_mode/fwd": _whole(nop_fwd),
-        "sac/fwd": _whole(sac_fwd),
-        "scope/fwd": _whole(scope_fwd),
-        "none/fwd+bwd": _whole(none_fb),
-        "nop_mode/fwd+bwd": _whole(nop_fb),
-        "sac/fwd+bwd": _whole(sac_fb),
-        "scope/fwd+bwd": _whole(scope_fb),
-        "none/no_grad": _whole(none_nograd),
-        "nop_mode/no_grad": _whole(nop_nograd),
-        "scope/no_grad": _whole(scope_nograd),
-        "scope_around/no_grad": _whole(scope_around_nograd),
-        "none/bwd": _backward_only(none_replay_fwd),
+        **{f"{k}/fwd": _whole(f) for k, f in fwd.items()},
+        **{f"{k}/fwd+bwd": _whole(then_backward(f)) for k, f in fwd.items()},
+        "none/no_grad": _whole(chain_in(torch.no_grad)),
+        "nop_mode/no_grad": _whole(chain_in(torch.no_grad, NopMode)),
+        "scope/no_grad": _whole(chain_in(torch.no_grad, recompute_scope)),
+        "scope_around/no_grad": _whole(chain_in(recompute_scope, torch.no_grad)),
+        "none/bwd": _backward_only(lambda x: _chain_times(x, w, n)),
         "scope/bwd": _backward_only(scope_replay_fwd),
         "checkpoint/bwd": _backward_only(checkpoint_replay_fwd),
         "nop_mode/bwd": _backward_only(nop_replay_fwd),
         "kernel/replay_floor": _whole(kernel_floor),
-        "scope/step": _whole(scope_step),
-        "checkpoint/step": _whole(checkpoint_step),
+        "scope/step": _whole(then_backward(scope_replay_fwd)),
+        "checkpoint/step": _whole(then_backward(checkpoint_replay_fwd)),
     }
 
 

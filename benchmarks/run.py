@@ -1,4 +1,4 @@
-"""gradient_scope benchmark suite: one command, all strategies on the same model.
+"""Every strategy on the benchmark GPT, the per-op overhead, the scaling sweeps.
 
     python -m benchmarks.run [--quick] [--device cpu|cuda] [--dtype float32|bfloat16] [--out DIR]
 
@@ -8,328 +8,368 @@ See benchmarks/README.md for what is measured and how to read the results.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gradient_scope import recompute_scope
-from gradient_scope.policies import as_save_policy, save_matmuls
+from gradient_scope.policies import as_save_policy
 
+from ._harness.ideal import BlockAccounting
 from ._harness.machine import machine_info, mark_end
-from ._harness.memory import measure
-from ._harness.report import finish, make_log, no_charts, resolve_device, results_dir
-from ._harness.strategies import AA, apply_gpt_strategy, profile_against_plain
-from ._harness.timing import frozen_gc, interleaved_rounds, ratio_summary, time_step, warn_if_interception_left
-from .gpt import GPT, GPTConfig, make_batch
-from .ideal import BlockAccounting
-from .overhead import format_overhead, run_overhead
-from .run_report import (
-    compute_targets,
-    make_charts,
-    scaling_markdown,
-    strategies_markdown,
-    targets_markdown,
-    to_markdown,
+from ._harness.report import (
+    KiB,
+    MiB,
+    Targets,
+    aa_note,
+    fmt_mib,
+    fmt_x,
+    grouped_bars,
+    header_lines,
+    make_log,
+    md_table,
+    pyplot,
+    resolve_device,
+    results_dir,
+    save_figure,
+    sections,
+    write_results,
 )
-
-SAVE_MM: Any = save_matmuls
-SAVE_MM_NAME = "gradient_scope.policies.save_matmuls"
+from ._harness.strategies import AA, DESCRIPTIONS, selection, wrap_forward
+from ._harness.suite import Case, run_strategies
+from ._harness.timing import frozen_gc
+from .gpt import GPTConfig, add_size_args, case, config_from
+from .overhead import format_overhead, run_overhead
 
 STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_mlp", "scope_act", "scope_layer_savemm"]
 SCOPE_STRATEGIES = ["scope_layer", "scope_mlp", "scope_act", "scope_layer_savemm"]
 SCALING_STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_act"]
 
-DESCRIPTIONS = {
-    "plain": "no recomputation",
-    "checkpoint": "torch.utils.checkpoint per layer (use_reentrant=False)",
-    "sac_matmul": "torch selective checkpointing per layer: MUST_SAVE matmuls, PREFER_RECOMPUTE the rest",
-    "scope_layer": "recompute_scope() around each layer",
-    "scope_mlp": "recompute_scope() around the MLP activation gelu(fc1(x)) only (3-D input)",
-    "scope_act": "recompute_scope() around gelu(fc1(x)) and around the attention probabilities",
-    "scope_layer_savemm": f"recompute_scope(save={SAVE_MM_NAME}) around each layer",
-    AA: "plain again (A/A control: the noise floor of the time ratios)",
-}
-
 # Sizes. The default model takes ~0.2-1 s per fwd+bwd step on a quiet 2-core CPU.
-FULL = dict(
-    model=GPTConfig(),
-    rounds=10,
-    overhead_rounds=25,
-    layers=[1, 2, 4, 8],
-    seqs=[64, 128, 256, 512],
-    scaling_rounds=3,
-)
-QUICK = dict(
+FULL: dict[str, Any] = dict(model=GPTConfig(), rounds=10, overhead_rounds=25, layers=[1, 2, 4, 8],
+                            seqs=[64, 128, 256, 512], scaling_rounds=3)
+QUICK: dict[str, Any] = dict(
     model=GPTConfig(vocab=1024, seq=128, d_model=128, n_head=4, n_layer=2, batch=4),
-    rounds=3,
-    overhead_rounds=7,
-    layers=[1, 4],
-    seqs=[64, 256],
-    scaling_rounds=2,
+    rounds=3, overhead_rounds=7, layers=[1, 4], seqs=[64, 256], scaling_rounds=2,
     # One thread: on a busy 2-core machine OpenMP threads spin-wait for each other and a
     # step takes 4x longer and varies wildly; --threads overrides.
     threads=1,
 )
 
 
-def apply_strategy(model: GPT, name: str, scopes: list, make_block: Callable[[], Any] | None = None) -> None:
-    """Point the model's hooks at a strategy. Scopes created are appended to ``scopes``.
-
-    ``make_block`` replaces the scope factory (same placement, other context manager):
-    used by the ideal-memory analysis.
-    """
-    save = SAVE_MM if name == "scope_layer_savemm" else None
-
-    def new_scope() -> Any:
-        if make_block is not None:
-            return make_block()
-        s = recompute_scope(save=save)
-        scopes.append(s)
-        return s
-
-    apply_gpt_strategy(model, name, new_scope)
-
-
-class Bench:
-    """One model, one batch; runs strategies on it."""
-
-    def __init__(self, cfg: GPTConfig, device: str, dtype: torch.dtype, seed: int) -> None:
-        self.cfg, self.device, self.dtype, self.seed = cfg, device, dtype, seed
-        torch.manual_seed(seed)
-        self.model = GPT(cfg).to(device=device, dtype=dtype)
-        self.model.train()
-        self.x, self.y = make_batch(cfg, device, seed)
-        self.scopes: list = []
-        self.warnings: list[str] = []
-
-    def _prepare(self, name: str) -> None:
-        self.scopes.clear()
-        apply_strategy(self.model, name, self.scopes)
-        self.model.zero_grad(set_to_none=True)
-        torch.manual_seed(self.seed)  # same dropout masks for every strategy
-
-    def _step(self) -> torch.Tensor:
-        loss = self.model(self.x, self.y)
-        loss.backward()
-        return loss
-
-    def timed_step(self, name: str) -> float:
-        self._prepare(name)
-        dt = time_step(self._step, self.device)
-        warn_if_interception_left(name, self.warnings)
-        return dt
-
-    def profiled_step(self, name: str) -> dict[str, Any]:
-        """Memory (held after forward, peak of fwd+bwd), loss, gradients, scope stats."""
-        self._prepare(name)
-        gc.collect()
-        loss, held, peak = measure(lambda: self.model(self.x, self.y), lambda loss: loss.backward(), self.device)
-        out = {
-            "held": held,
-            "peak": peak,
-            "loss": loss.item(),
-            "grads": [p.grad.detach().clone() for p in self.model.parameters()],
-        }
-        if self.scopes:
-            out["scopes"] = len(self.scopes)
-            for key in ("bytes_packed", "tensors_packed", "ops_recorded", "ops_replayed", "replays"):
-                out[key] = sum(getattr(s.stats, key) for s in self.scopes)
-        del loss
-        self.scopes.clear()
-        warn_if_interception_left(name, self.warnings)
-        return out
-
-    def block_accounting(self, name: str) -> dict[str, int]:
-        """Storages created / read by the strategy's blocks and saved by plain autograd."""
-        policy = as_save_policy(SAVE_MM) if name == "scope_layer_savemm" else None
-        acct = BlockAccounting(policy=policy)
-        scopes: list = []
-        apply_strategy(self.model, name, scopes, make_block=acct.block)
-        self.model.zero_grad(set_to_none=True)
-        acct.mark_preexisting([*self.model.parameters(), *self.model.buffers(), self.x, self.y])
-        torch.manual_seed(self.seed)
-        with acct.saving():
-            loss = self.model(self.x, self.y)
-        res = acct.result()
-        res["saved_bytes"] = sum(k[1] for k in acct.saved if k not in acct.preexisting)
-        del loss, acct
-        gc.collect()
-        self.model.reset_strategy()
-        return res
-
-
 def run_suite(
-    cfg: GPTConfig,
-    device: str,
-    dtype: torch.dtype,
-    strategies: list[str],
-    rounds: int,
-    seed: int = 0,
-    aa: bool = True,
-    ideal: bool = False,
+    cfg: GPTConfig, device: str, dtype: torch.dtype, strategies: list[str], rounds: int,
+    seed: int = 0, aa: bool = True, ideal: bool = False,
 ) -> dict[str, Any]:
-    """Every strategy on one model: memory and gradients (profiled step), interleaved
-    timing (with the A/A row when ``aa``), the ideal held memory when ``ideal``."""
-    bench = Bench(cfg, device, dtype, seed)
-    timed = strategies + ([AA] if aa else [])
-    for name in timed:  # warm-up (allocator, lazy init, lazy imports, op caches)
-        bench.timed_step(name)
+    """Every strategy on one GPT: memory, gradients, interleaved timing (with the A/A row
+    when ``aa``), the ideal held memory of the scope strategies when ``ideal``."""
+    c = case(cfg, device, dtype, seed)
     with frozen_gc():  # keeps the gc.collect() before each measured step cheap
-        res = profile_against_plain(strategies, bench.profiled_step)
-        times = interleaved_rounds({name: (lambda n=name: bench.timed_step(n)) for name in timed}, rounds)
-        for name, summary in ratio_summary(times).items():
-            res.setdefault(name, {}).update(summary)
-        if ideal and "plain" in res:
-            _add_ideal(bench, strategies, res)
-    return {"config": bench.cfg.asdict(), "strategies": res, "warnings": bench.warnings}
+        out = run_strategies(c, [*strategies, *([AA] if aa else [])], rounds, seed=seed, warmup=1, log=lambda m: None)
+        res = out["strategies"]
+        if ideal and "held" in res.get("plain", {}):
+            res["plain"]["saved_bytes_distinct"] = block_accounting(c, "plain", seed)["saved_bytes"]
+            for name in strategies:
+                if name in SCOPE_STRATEGIES and "held" in res[name]:
+                    a = block_accounting(c, name, seed)
+                    res[name]["ideal"] = {
+                        "held": res["plain"]["held"] - a["removed"] + a["retained"],
+                        "removed": a["removed"],
+                        "retained": a["retained"],
+                        "blocks_per_step": a["blocks"],
+                        "held_by_bytes_packed": res["plain"]["held"]
+                        - res[name].get("scopes", {}).get("bytes_packed", 0),
+                    }
+    return {"config": cfg.asdict(), **out}
 
 
-def _add_ideal(bench: Bench, strategies: list[str], res: dict[str, dict[str, Any]]) -> None:
-    plain_acct = bench.block_accounting("plain")
-    res["plain"]["saved_bytes_distinct"] = plain_acct["saved_bytes"]
-    for name in strategies:
-        if name not in SCOPE_STRATEGIES:
-            continue
-        a = bench.block_accounting(name)
-        r = res[name]
-        r["ideal"] = {
-            "held": res["plain"]["held"] - a["removed"] + a["retained"],
-            "removed": a["removed"],
-            "retained": a["retained"],
-            "blocks_per_step": a["blocks"],
-            "held_by_bytes_packed": res["plain"]["held"] - r.get("bytes_packed", 0),
-        }
+def block_accounting(c: Case, name: str, seed: int) -> dict[str, int]:
+    """Storages created / read by the strategy's blocks and saved by plain autograd, from
+    one plain forward with a marker where the strategy puts its scopes
+    (``benchmarks/_harness/ideal.py``)."""
+    chosen = selection(name, c.layers, c.parts)
+    acct = BlockAccounting(policy=None if chosen is None else as_save_policy(chosen[1]))
+    model = copy.deepcopy(c.model, {id(p): p for p in c.model.parameters()})
+    if chosen is not None:
+        wrap_forward(model, chosen[0], acct.block)
+    acct.mark_preexisting([*model.parameters(), *model.buffers(), *c.batch])
+    torch.manual_seed(seed)
+    with acct.saving():
+        loss = c.loss(model)
+    res = acct.result()
+    res["saved_bytes"] = sum(k[1] for k in acct.saved if k not in acct.preexisting)
+    del loss, acct, model
+    gc.collect()
+    return res
 
 
-def run_scaling(
-    base: GPTConfig, axis: str, points: list[int], device: str, dtype: torch.dtype, rounds: int, log
-) -> dict[str, Any]:
+def run_scaling(base: GPTConfig, axis: str, points: list[int], device: str, dtype: torch.dtype, rounds: int,
+                log: Any) -> dict[str, Any]:
     """The scaling strategies at each depth (``axis="layers"``) or sequence length."""
-    out: dict[str, Any] = {"axis": axis, "points": points, "results": {}}
+    out: dict[str, Any] = {"axis": axis, "points": points, "results": {}, "warnings": []}
     for p in points:
         cfg = GPTConfig(**{**base.asdict(), ("n_layer" if axis == "layers" else "seq"): p})
         t0 = time.perf_counter()
         r = run_suite(cfg, device, dtype, SCALING_STRATEGIES, rounds, aa=False)
         out["results"][str(p)] = r["strategies"]
-        out.setdefault("warnings", []).extend(f"{axis}={p}: {w}" for w in r["warnings"])
+        out["warnings"] += [f"{axis}={p}: {w}" for w in r["warnings"]]
         log(f"  scaling {axis}={p}: {time.perf_counter() - t0:.1f} s")
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small model, few rounds and points (< 60 s on CPU)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default benchmarks/results/<device>/, with --quick "
-        "benchmarks/results/<device>-quick/)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=None, help="timing rounds of the main comparison")
-    p.add_argument("--scaling-rounds", type=int, default=None)
-    p.add_argument("--overhead-rounds", type=int, default=None)
-    p.add_argument("--no-scaling", action="store_true", help="skip the layers / sequence sweeps")
-    p.add_argument("--no-overhead", action="store_true", help="skip the per-op overhead microbenchmark")
-    p.add_argument("--no-charts", action="store_true")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads (default: 1 with --quick, else torch's default, one per "
-        "core). On a busy machine 1 thread is far less noisy: OpenMP threads spin-wait "
-        "for each other",
-    )
-    g = p.add_argument_group("model (defaults: the --quick or full size)")
-    for flag, kind in (("--layers", int), ("--d-model", int), ("--heads", int), ("--seq", int),
-                       ("--batch", int), ("--vocab", int), ("--dropout", float)):
-        g.add_argument(flag, type=kind)
-    g.add_argument("--attn", choices=["explicit", "sdpa"])
-    return p
+# ---------------------------------------------------------------------- report
 
 
-def _config(mode: dict[str, Any], a: argparse.Namespace) -> GPTConfig:
-    over = {
-        "n_layer": a.layers, "d_model": a.d_model, "n_head": a.heads, "seq": a.seq,
-        "batch": a.batch, "vocab": a.vocab, "dropout": a.dropout, "attn": a.attn,
-    }
-    return GPTConfig(**{**mode["model"].asdict(), **{k: v for k, v in over.items() if v is not None}})
+def compute_targets(main: dict[str, Any], overhead: dict[str, Any] | None, device: str) -> Targets:
+    """The targets, each measured in this run (see benchmarks/README.md)."""
+    s = main["strategies"]
+    T = Targets()
+    noise = aa_note(s)
+    sl, ck, sm, pl = (s.get(k, {}) for k in ("scope_layer", "checkpoint", "scope_mlp", "plain"))
+    if "held" in sl and "held" in ck:
+        T.add("scope_layer held after forward <= checkpoint's",
+              f"{fmt_mib(sl['held'])} MiB vs {fmt_mib(ck['held'])} MiB ({sl['held'] / ck['held']:.3f}x)",
+              met=sl["held"] <= ck["held"])
+    if "ratio_vs_checkpoint" in sl:
+        T.add("scope_layer step time <= 1.00x checkpoint's", fmt_x(sl["ratio_vs_checkpoint"]),
+              met=sl["ratio_vs_checkpoint"] <= 1.00, note=noise)
+    if "held" in sm and "held" in pl:
+        T.add("scope_mlp (MLP activation only) held after forward <= 0.80x plain's",
+              f"{fmt_mib(sm['held'])} MiB vs {fmt_mib(pl['held'])} MiB ({sm['held'] / pl['held']:.3f}x)",
+              met=sm["held"] <= 0.80 * pl["held"])
+    if "ratio_vs_plain" in sm:
+        T.add("scope_mlp (MLP activation only) step time <= 1.10x plain's", fmt_x(sm["ratio_vs_plain"]),
+              met=sm["ratio_vs_plain"] <= 1.10, note=noise)
+    if overhead:
+        r, ov = overhead["ratio_vs_nop_mode"]["scope/fwd"], overhead["overhead_us_per_op"]
+        T.add("recording overhead per op <= 1.5x a do-nothing TorchDispatchMode's",
+              "n/a" if r is None else f"{r:.2f}x ({ov['scope/fwd']:.2f} us vs {ov['nop_mode/fwd']:.2f} us per op)",
+              met=None if r is None else r <= 1.5)
+        T.add("overhead per op under torch.no_grad() <= 1 us", f"{ov['scope/no_grad']:.3f} us",
+              met=ov["scope/no_grad"] <= 1.0,
+              note=f"scope entered with grad on around a no_grad chain: {ov['scope_around/no_grad']:.2f} us/op")
+        rp = overhead["replay"]
+        T.add("replay per op <= 0.8x torch checkpoint's rerun",
+              f"{rp['ratio_vs_checkpoint']:.2f}x ({rp['scope']['recompute_us_per_op']:.2f} us vs "
+              f"{rp['checkpoint']['recompute_us_per_op']:.2f} us per op)",
+              met=rp["ratio_vs_checkpoint"] <= 0.8,
+              note=f"floor: the kernel alone, below autograd, is {rp['floor_ratio_vs_checkpoint']:.2f}x; a graph "
+              f"recorded under any dispatch mode backs up {rp['mode_graph_bwd_us_per_op']:+.2f} us/op slower")
+        T.add("tiny-op chain step (fwd+bwd) <= 1.15x torch checkpoint's", fmt_x(overhead["step_ratio_vs_checkpoint"]),
+              met=overhead["step_ratio_vs_checkpoint"] <= 1.15,
+              note=f"floor for a dispatch-mode recorder: {overhead['step_floor_ratio_vs_checkpoint']:.2f}x")
+    cmp = {k: v["grads_vs_plain"] for k, v in s.items() if "grads_vs_plain" in v}
+    if cmp:
+        worst = max(c["max_abs_diff"] or 0.0 for c in cmp.values())
+        nonzero = ", ".join(f"{k}: {c['max_abs_diff']:g}" for k, c in cmp.items() if c["max_abs_diff"])
+        T.add("gradients bitwise equal to plain (all strategies)",
+              f"max |grad diff| {worst:g}" + (f" ({nonzero})" if nonzero else ""),
+              met=all(c["bitwise_equal"] for c in cmp.values()),
+              note="" if device == "cpu" else "bitwise equality is only expected on CPU")
+    for name, v in s.items():
+        if "ideal" in v:
+            ideal = v["ideal"]["held"]
+            tol, d = 0.01 * ideal + 64 * KiB, v["held"] - ideal
+            T.add(f"{name} held within 1% + 64 KiB of ideal",
+                  f"{fmt_mib(v['held'])} MiB vs ideal {fmt_mib(ideal)} MiB ({d / KiB:+.0f} KiB; "
+                  f"tolerance {tol / KiB:.0f} KiB)", met=abs(d) <= tol,
+                  note=f"ideal from plain_held - sum(bytes_packed): {fmt_mib(v['ideal']['held_by_bytes_packed'])} MiB")
+    return T
+
+
+def strategies_markdown(main: dict[str, Any]) -> str:
+    """The main comparison as a Markdown table."""
+    s = main["strategies"]
+    ph = s.get("plain", {}).get("held")
+
+    def row(name: str, v: dict[str, Any]) -> list[Any]:
+        if "error" in v:
+            return [name, f"failed: {v['error'][:100]}", *[""] * 8]
+        g = v.get("grads_vs_plain", {}).get("max_abs_diff")
+        return [name, fmt_mib(v.get("held")), fmt_mib(v.get("peak")),
+                f"{v['held'] / ph:.3f}x" if ph and "held" in v else "",
+                f"{1e3 * v['time_median_s']:.1f}" if "time_median_s" in v else "",
+                fmt_x(v.get("ratio_vs_plain")), fmt_x(v.get("ratio_vs_checkpoint")),
+                "" if g is None else f"{g:g}", fmt_mib(v["ideal"]["held"]) if "ideal" in v else ""]
+
+    return md_table(["strategy", "held after fwd (MiB)", "peak fwd+bwd (MiB)", "held vs plain", "median step (ms)",
+                     "time vs plain", "time vs checkpoint", "max abs grad diff", "ideal held (MiB)"],
+                    (row(k, v) for k, v in s.items()))
+
+
+def scaling_markdown(sc: dict[str, Any]) -> str:
+    """One scaling sweep as a Markdown table."""
+    return md_table(
+        [sc["axis"], "strategy", "held (MiB)", "peak (MiB)", "median step (ms)", "time vs plain"],
+        ([p, name, fmt_mib(v.get("held")), fmt_mib(v.get("peak")), f"{1e3 * v.get('time_median_s', 0):.1f}",
+          fmt_x(v.get("ratio_vs_plain"))] for p in sc["points"] for name, v in sc["results"][str(p)].items()),
+    )
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    """``results.md``: run and machine, targets, strategies, ideal memory, overhead, scaling."""
+    main = results["main"]
+    s = main["strategies"]
+    out = [
+        *header_lines("# gradient_scope benchmarks", "benchmarks.run", results),
+        f"- device {results['device']}, dtype {results['dtype']}, mode {'quick' if results['quick'] else 'full'}",
+        f"- model: {GPTConfig(**main['config']).describe()}",
+        "- memory: " + ("torch.cuda memory stats" if results["device"].startswith("cuda")
+                        else "CPU profiler (profile_memory=True), benchmarks/_harness/memory.py")
+        + "; held = allocated during forward and still allocated after it; peak = highest level during fwd+bwd",
+        f"- step time: fwd+bwd, median of {results['rounds']} interleaved rounds (order rotated each round); "
+        "ratios are medians of per-round ratios",
+        "",
+        *sections(Targets.from_rows(results["targets"]), {k: DESCRIPTIONS[k] for k in s}),
+        strategies_markdown(main),
+        "",
+    ]
+    ideal = [(k, v) for k, v in s.items() if "ideal" in v]
+    if ideal:
+        out += [
+            "### Ideal memory (benchmarks/_harness/ideal.py)", "",
+            f"Plain autograd saves {fmt_mib(s['plain'].get('saved_bytes_distinct'))} MiB of distinct storages "
+            f"created in forward (plain held: {fmt_mib(s['plain']['held'])} MiB).", "",
+            md_table(["strategy", "held (MiB)", "ideal (MiB)", "held - ideal (KiB)", "removed by blocks (MiB)",
+                      "inputs kept by blocks (MiB)", "sum(bytes_packed) (MiB)", "plain - sum(bytes_packed) (MiB)"],
+                     ([k, fmt_mib(v["held"]), fmt_mib(i["held"]), f"{(v['held'] - i['held']) / KiB:+.0f}",
+                       fmt_mib(i["removed"]), fmt_mib(i["retained"]), fmt_mib(v.get("scopes", {}).get("bytes_packed")),
+                       fmt_mib(i["held_by_bytes_packed"])] for k, v in ideal for i in [v["ideal"]])), "",
+            "Scope statistics of the profiled step:", "",
+            md_table(["strategy", "scoped modules", "ops recorded", "tensors packed", "bytes packed (MiB)", "replays",
+                      "ops replayed"],
+                     ([k, st.get("modules"), st.get("ops_recorded"), st.get("tensors_packed"),
+                       fmt_mib(st.get("bytes_packed")), st.get("replays"), st.get("ops_replayed")]
+                      for k, v in ideal for st in [v.get("scopes", {})])), "",
+        ]
+    if results.get("overhead"):
+        out += ["## Per-op overhead", "", format_overhead(results["overhead"]), ""]
+    for key, title in (("layers", "Scaling with depth"), ("seq", "Scaling with sequence length")):
+        if key in results["scaling"]:
+            out += [f"## {title}", "", scaling_markdown(results["scaling"][key]), ""]
+    warnings = main["warnings"] + [w for sc in results["scaling"].values() for w in sc["warnings"]]
+    return "\n".join(out + sections(charts=results["charts"], warnings=warnings))
+
+
+def make_charts(results: dict[str, Any], out_dir: str) -> list[str]:
+    """memory_per_strategy.png, time_per_strategy.png, scaling_*.png, overhead.png."""
+    plt = pyplot()
+    files: list[str] = []
+    s = results["main"]["strategies"]
+    names = [k for k in s if "held" in s[k]]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    grouped_bars(ax, names, {"held after forward": [s[k]["held"] / MiB for k in names],
+                             "peak fwd+bwd": [s[k]["peak"] / MiB for k in names],
+                             "ideal held": [s[k]["ideal"]["held"] / MiB if "ideal" in s[k] else None for k in names]})
+    ax.set_ylabel("MiB")
+    ax.set_title("Memory per strategy")
+    ax.legend()
+    save_figure(fig, out_dir, "memory_per_strategy.png", files)
+
+    t = [k for k in s if "time_median_s" in s[k]]
+    med = [1e3 * s[k]["time_median_s"] for k in t]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    iqr = ([m - 1e3 * s[k]["time_quartiles_s"][0] for m, k in zip(med, t)],
+           [1e3 * s[k]["time_quartiles_s"][1] - m for m, k in zip(med, t)])
+    grouped_bars(ax, t, {"fwd+bwd": med}, {"fwd+bwd": iqr})
+    for i, k in enumerate(t):
+        ax.annotate(fmt_x(s[k].get("ratio_vs_plain")), (i, med[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per fwd+bwd step (median, IQR)")
+    ax.set_title("Step time per strategy (labels: median per-round ratio vs plain)")
+    save_figure(fig, out_dir, "time_per_strategy.png", files)
+
+    for key, sc in results["scaling"].items():
+        pts = sc["points"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for i, name in enumerate(sc["results"][str(pts[0])]):
+            rows = [sc["results"][str(p)][name] for p in pts]
+            a1.plot(pts, [r["held"] / MiB for r in rows], "o-", color=f"C{i}", label=f"{name} held")
+            a1.plot(pts, [r["peak"] / MiB for r in rows], "s--", color=f"C{i}", alpha=0.6, label=f"{name} peak")
+            a2.plot(pts, [1e3 * r["time_median_s"] for r in rows], "o-", color=f"C{i}", label=name)
+        xlabel = "layers" if key == "layers" else "sequence length"
+        for a, ylabel in ((a1, "MiB (solid: held, dashed: peak)"), (a2, "ms per fwd+bwd step (median)")):
+            a.set_xscale("log", base=2)
+            a.set_xticks(pts, [str(p) for p in pts])
+            a.set_xlabel(xlabel)
+            a.set_ylabel(ylabel)
+            a.grid(alpha=0.3)
+            a.legend(fontsize=7)
+        save_figure(fig, out_dir, f"scaling_{key}.png", files)
+
+    ov = results.get("overhead")
+    if ov:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        grouped_bars(ax, list(ov["us_per_op"]), {"us per op": list(ov["us_per_op"].values())})
+        ax.set_ylabel("us per op (median)")
+        ax.set_title(f"Per-op cost, {ov['n_ops']} tiny ops")
+        save_figure(fig, out_dir, "overhead.png", files)
+    return files
+
+
+# ---------------------------------------------------------------------- command line
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line entry point; returns the results dict."""
     argv = sys.argv[1:] if argv is None else argv
-    p = _parser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small model, few rounds and points (< 60 s on CPU)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--out", help="output directory (default benchmarks/results/<device>[-quick]/)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, help="timing rounds of the main comparison")
+    p.add_argument("--scaling-rounds", type=int)
+    p.add_argument("--overhead-rounds", type=int)
+    p.add_argument("--no-scaling", action="store_true", help="skip the layers / sequence sweeps")
+    p.add_argument("--no-overhead", action="store_true", help="skip the per-op overhead microbenchmark")
+    p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: 1 with --quick, else torch's)")
+    add_size_args(p)
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     log = make_log(t_start)
     mode = QUICK if a.quick else FULL
-    threads = a.threads or mode.get("threads")
-    if threads:
-        torch.set_num_threads(threads)
-    device = resolve_device(a.device, p.error)
-    dtype = getattr(torch, a.dtype)
-    cfg = _config(mode, a)
+    if a.threads or mode.get("threads"):
+        torch.set_num_threads(a.threads or mode["threads"])
+    device, dtype = resolve_device(a.device, p.error), getattr(torch, a.dtype)
+    cfg = config_from(mode["model"], a)
     rounds = a.rounds or mode["rounds"]
     dev_name = torch.device(device).type
     out_dir = results_dir(a.out, dev_name + ("-quick" if a.quick else ""))  # a quick run never overwrites a full one
-
     machine = machine_info(device)
-    log(f"{machine['cpu_model']}, {machine['cpu_cores']} cores, torch {machine['torch']}, "
-        f"python {machine['python']}; {cfg.describe()}; {device} {a.dtype}")
-    if a.quick:
-        log("quick mode: a small model and few rounds; numbers are indicative only")
-
-    log(f"main comparison: {len(STRATEGIES)} strategies + A/A, {rounds} rounds")
+    log(f"{machine['cpu_model']}, {machine['cpu_cores']} cores, torch {machine['torch']}; {cfg.describe()}; "
+        f"{device} {a.dtype}; main comparison: {len(STRATEGIES)} strategies + A/A, {rounds} rounds")
     main_res = run_suite(cfg, device, dtype, STRATEGIES, rounds, seed=a.seed, ideal=True)
     print(f"\nstrategies\n{strategies_markdown(main_res)}")
-
     overhead = None
     if not a.no_overhead:
         log("per-op overhead microbenchmark")
         overhead = run_overhead(1000, a.overhead_rounds or mode["overhead_rounds"])
         print(f"\nper-op overhead\n{format_overhead(overhead)}")
-
     scaling: dict[str, Any] = {}
     if not a.no_scaling:
         srounds = a.scaling_rounds or mode["scaling_rounds"]
-        log(f"scaling with depth {mode['layers']} (seq {cfg.seq})")
-        scaling["layers"] = run_scaling(cfg, "layers", mode["layers"], device, dtype, srounds, log)
-        log(f"scaling with sequence length {mode['seqs']} ({cfg.n_layer} layers)")
-        scaling["seq"] = run_scaling(cfg, "seq", mode["seqs"], device, dtype, srounds, log)
-        for sc in scaling.values():
-            print(f"\nscaling: {sc['axis']}\n{scaling_markdown(sc)}")
-
-    targets = compute_targets(main_res, overhead, dev_name)
+        for axis, points in (("layers", mode["layers"]), ("seq", mode["seqs"])):
+            log(f"scaling with {axis} {points}")
+            scaling[axis] = run_scaling(cfg, axis, points, device, dtype, srounds, log)
     mark_end(machine)
-    results = {
-        "argv": argv,
-        "quick": a.quick,
-        "device": device,
-        "dtype": a.dtype,
-        "seed": a.seed,
-        "rounds": rounds,
-        "machine": machine,
-        "strategies": DESCRIPTIONS,
-        "save_matmuls_policy": SAVE_MM_NAME,
-        "main": main_res,
-        "overhead": overhead,
-        "scaling": scaling,
-        "targets": targets,
-        "duration_s": time.perf_counter() - t_start,
+    results: dict[str, Any] = {
+        "argv": argv, "quick": a.quick, "device": device, "dtype": a.dtype, "seed": a.seed, "rounds": rounds,
+        "machine": machine, "strategies": {k: DESCRIPTIONS[k] for k in main_res["strategies"]},
+        "main": main_res, "overhead": overhead, "scaling": scaling,
+        "targets": compute_targets(main_res, overhead, dev_name),
     }
-    finish(results, out_dir, t_start, to_markdown, no_charts if a.no_charts else make_charts)
-    charts = results["charts"]
-    print(f"\ntargets\n{targets_markdown(targets)}")
+    results["charts"] = [] if a.no_charts else make_charts(results, out_dir)
+    results["duration_s"] = time.perf_counter() - t_start
+    write_results(out_dir, results, to_markdown(results))
+    print(f"\ntargets\n{Targets.from_rows(results['targets']).markdown()}")
     for w in main_res["warnings"]:
         print(f"WARNING: {w}")
-    log(f"wrote {out_dir}/results.json, results.md and {len(charts)} charts")
+    log(f"wrote {out_dir}/results.json, results.md and {len(results['charts'])} charts")
     return results
 
 

@@ -102,18 +102,20 @@ def test_cuda_probe():
 
 
 def test_ideal_analysis_accounts_for_plain_held():
-    """benchmarks/ideal.py: the distinct storages plain autograd saves add up to the held
-    memory the probe measures (up to the scalar loss)."""
-    from benchmarks.gpt import GPTConfig
-    from benchmarks.run import Bench
+    """benchmarks/_harness/ideal.py: the distinct storages plain autograd saves add up to
+    the held memory the probe measures (up to the scalar loss)."""
+    from benchmarks._harness.suite import Runner
+    from benchmarks.gpt import GPTConfig, case
+    from benchmarks.run import block_accounting
 
     cfg = GPTConfig(vocab=64, seq=16, d_model=32, n_head=2, n_layer=2, batch=2)
-    bench = Bench(cfg, "cpu", torch.float32, seed=0)
-    held = bench.profiled_step("plain")["held"]
-    acct = bench.block_accounting("scope_act")
-    assert acct["blocks"] == 2 * cfg.n_layer
+    c = case(cfg)
+    held = Runner(c, "plain").profiled_step(seed=0)["held"]
+    acct = block_accounting(c, "scope_act", seed=0)
+    assert acct["blocks"] == 2 * cfg.n_layer  # the MLP activation and the attention probabilities
     assert held - 64 <= acct["saved_bytes"] <= held
     assert 0 < acct["removed"] < acct["saved_bytes"]
+    assert block_accounting(c, "scope_layer", seed=0)["blocks"] == cfg.n_layer
 
 
 def test_public_profiler_events_lose_the_peak():

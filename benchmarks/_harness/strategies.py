@@ -1,31 +1,62 @@
-"""Recompute strategies shared by the benchmarks: torch's selective checkpointing policy
-and the strategies of the benchmark GPT (``benchmarks/gpt.py``), and the comparison of a
-strategy's tensors with plain's."""
+"""The recompute strategies every job compares, applied to any ``nn.Module`` by module
+selection, and the comparison of a strategy's tensors with plain's.
+
+A strategy is a name; :func:`apply_strategy` makes a model (a copy, changed in place)
+run it. Layer strategies take a selector of the model's layers (its repeated blocks);
+region strategies (``scope_attn_mlp`` on the Hugging Face models, ``scope_mlp`` and
+``scope_act`` on the benchmark GPT) take a selector of their own, given by the zoo.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from gradient_scope import recompute_scope
+import gradient_scope
+from gradient_scope import Budget
 
 __all__ = [
     "AA",
+    "Selector",
+    "DESCRIPTIONS",
     "MATMUL_OPS",
     "sac_policy",
     "sac_context",
-    "apply_gpt_strategy",
+    "NopMode",
+    "OpCounter",
+    "wrap_forward",
+    "budget_fraction",
+    "selection",
+    "apply_strategy",
+    "plain_name",
     "compare_tensors",
-    "grad_diff",
-    "profile_against_plain",
 ]
 
 AA = "plain_again"  # A/A control: plain timed a second time per round
+Selector = Callable[[nn.Module], bool]
+
+DESCRIPTIONS = {
+    "plain": "no recomputation",
+    "checkpoint": "apply_activation_checkpointing(checkpoint_wrapper, CheckpointImpl.NO_REENTRANT) per layer",
+    "sac_matmul": "torch selective checkpointing per layer (checkpoint_wrapper, context_fn): MUST_SAVE "
+    "matmuls and attention kernels, PREFER_RECOMPUTE the rest",
+    "scope_layer": "gradient_scope.apply_recompute(model, check_fn=<layer>)",
+    "scope_layer_savemm": "apply_recompute(model, check_fn=<layer>, save=gradient_scope.save_matmuls)",
+    "scope_attn_mlp": "apply_recompute on each attention and MLP submodule (ResNet: each residual branch)",
+    "scope_mlp": "apply_recompute on the MLP activation gelu(fc1(x)) only",
+    "scope_act": "apply_recompute on the MLP activation and on the attention probabilities",
+    "mode_layer": "plain, each layer's forward under a do-nothing TorchDispatchMode (the floor of any "
+    "recorder that is a dispatch mode)",
+    "budget50": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.50 x plain's held after forward))",
+    "budget25": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.25 x plain's held after forward))",
+    AA: "plain on a second copy (A/A control: the noise floor of the time ratios)",
+}
 
 _aten = torch.ops.aten
 MATMUL_OPS = frozenset(
@@ -56,111 +87,131 @@ def sac_context() -> Any:
     return create_selective_checkpoint_contexts(sac_policy)
 
 
-# Module-level hooks (not closures): a compiled model sees the same functions every call.
-def _checkpoint_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return checkpoint(block, x, use_reentrant=False)
+class NopMode(TorchDispatchMode):
+    """A dispatch mode that only runs each op: what any dispatch-mode recorder costs at least."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
 
 
-def _sac_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return checkpoint(block, x, use_reentrant=False, context_fn=sac_context)
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run under it (``count``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
-def _scope_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with recompute_scope():
-        return block(x)
+def _run_in(make_ctx: Callable[[], Any], forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with make_ctx():
+        return forward(*args, **kwargs)
 
 
-def _scope_ctx(kind: str) -> Any:
-    return recompute_scope()
+def wrap_forward(model: nn.Module, select: Selector, make_ctx: Callable[[], Any]) -> int:
+    """Run every call of the selected modules' forward inside ``make_ctx()``; returns how
+    many modules were wrapped. A ``functools.partial`` instance attribute (as
+    ``apply_recompute`` does): deep copies of the model stay wrapped."""
+    chosen = [m for m in model.modules() if select(m)]
+    for m in chosen:
+        m.forward = functools.partial(_run_in, make_ctx, m.forward)  # type: ignore[method-assign]
+    return len(chosen)
 
 
-def _mlp_only_ctx(kind: str) -> Any:
-    return recompute_scope() if kind == "mlp_act" else contextlib.nullcontext()
+def budget_fraction(name: str) -> float | None:
+    """``budget50`` -> 0.5: a Budget at that fraction of plain's held bytes; None for others."""
+    if name.startswith("budget") and name[6:].isdigit():
+        return int(name[6:]) / 100
+    return None
 
 
-def apply_gpt_strategy(model: Any, name: str, new_scope: Callable[[], Any] | None = None) -> None:
-    """Point the benchmark GPT's hooks (``layer_call``, ``act_ctx``) at strategy ``name``.
+def _is_budget(name: str) -> bool:
+    """``budgetNN`` (a fraction of plain's held bytes) or ``budget@N`` (N bytes)."""
+    return budget_fraction(name) is not None or (name.startswith("budget@") and name[7:].isdigit())
 
-    ``plain``/``plain_again``, ``checkpoint`` and ``sac_matmul`` per layer; ``scope_layer``
-    and ``scope_layer_savemm`` (a scope per layer), ``scope_mlp`` (the MLP activation) and
-    ``scope_act`` (the MLP activation and the attention probabilities). ``new_scope``
-    makes each scope (e.g. to collect them, or another context manager in the same place,
-    as the ideal-memory analysis does); without it, plain ``recompute_scope()``.
-    """
-    model.reset_strategy()
+
+def selection(name: str, layers: Selector, parts: Mapping[str, Selector]) -> tuple[Selector, Any] | None:
+    """The modules a scope strategy puts in scopes and its ``save=`` policy (None for the
+    strategies without scopes): what the ideal-memory analysis mirrors."""
+    if name in ("scope_layer", "scope_layer_savemm") or _is_budget(name):
+        return layers, gradient_scope.save_matmuls if name == "scope_layer_savemm" else None
+    if name in parts:
+        return parts[name], None
+    return None
+
+
+def apply_strategy(
+    model: nn.Module,
+    name: str,
+    layers: Selector,
+    parts: Mapping[str, Selector] | None = None,
+    plain_held: int | None = None,
+) -> Budget | None:
+    """Make ``model`` (changed in place) run strategy ``name``; returns the Budget of a
+    ``budget@N`` (N bytes) or ``budgetNN`` strategy (NN% of ``plain_held``, plain's bytes
+    held after forward), else None."""
+    parts = parts or {}
     if name in ("plain", AA):
-        return
-    if name == "checkpoint":
-        model.layer_call = _checkpoint_layer
-    elif name == "sac_matmul":
-        model.layer_call = _sac_layer
-    elif name not in ("scope_layer", "scope_layer_savemm", "scope_act", "scope_mlp"):
-        raise ValueError(f"unknown strategy {name!r}")
-    elif new_scope is None:
-        if name == "scope_layer_savemm":
-            raise ValueError("scope_layer_savemm needs new_scope (the scope with its save= policy)")
-        model.layer_call, model.act_ctx = {
-            "scope_layer": (_scope_layer, model.act_ctx),
-            "scope_act": (model.layer_call, _scope_ctx),
-            "scope_mlp": (model.layer_call, _mlp_only_ctx),
-        }[name]
-    elif name in ("scope_layer", "scope_layer_savemm"):
+        return None
+    if name in ("checkpoint", "sac_matmul"):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
 
-        def layer_call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            with new_scope():
-                return block(x)
+        kw: dict[str, Any] = {"context_fn": sac_context} if name == "sac_matmul" else {}
+        wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kw)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=layers)
+        return None
+    if name == "mode_layer":
+        wrap_forward(model, layers, NopMode)
+        return None
+    if _is_budget(name):
+        frac = budget_fraction(name)
+        if frac is not None and plain_held is None:
+            raise ValueError(f"{name}: a budget is a fraction of plain's held bytes; run plain first")
+        budget = Budget(int(name[7:]) if frac is None else max(1, int(frac * plain_held)))  # type: ignore[operator]
+        gradient_scope.apply_recompute(model, check_fn=layers, budget=budget)
+        return budget
+    chosen = selection(name, layers, parts)
+    if chosen is None:
+        known = ", ".join(["plain", AA, "checkpoint", "sac_matmul", "mode_layer", "scope_layer",
+                           "scope_layer_savemm", "budgetNN", "budget@N", *parts])
+        raise ValueError(f"unknown strategy {name!r}; the strategies are {known}")
+    select, save = chosen
+    gradient_scope.apply_recompute(model, check_fn=select, **({} if save is None else {"save": save}))
+    return None
 
-        model.layer_call = layer_call
-    elif name == "scope_act":
-        model.act_ctx = lambda kind: new_scope()
-    else:
-        model.act_ctx = lambda kind: new_scope() if kind == "mlp_act" else contextlib.nullcontext()
+
+def plain_name(name: str) -> str:
+    """A parameter or buffer name without checkpoint_wrapper's extra module level."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def compare_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Max |a - b| and bitwise equality over same-named tensors; names that differ."""
+def compare_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Max |a - b|, the largest of max |a - b| / max |b| per tensor, and bitwise equality
+    over same-named tensors (``b``'s moved to ``a``'s device one at a time)."""
     if a.keys() != b.keys():
         missing = sorted(set(a) ^ set(b))
         return {"max_abs_diff": None, "bitwise_equal": False, "differing": missing[:5], "note": "names differ"}
-    worst = 0.0
+    worst = worst_rel = 0.0
     differing = []
-    for k in a:
-        x, y = a[k], b[k]
+    for k, x in a.items():
+        y = b[k].to(x.device)
         if not torch.equal(x, y):
             differing.append(k)
-            worst = max(worst, (x.double() - y.double()).abs().max().item())
+            wide = torch.float32 if x.element_size() < 4 else torch.float64  # exact for bf16/fp16
+            d = (x.to(wide) - y.to(wide)).abs().max().item() if x.numel() else 0.0
+            worst = max(worst, d)
+            worst_rel = max(worst_rel, d / max(y.to(wide).abs().max().item(), 1e-30))
     return {
         "max_abs_diff": worst,
+        "max_rel_diff": worst_rel,
         "bitwise_equal": not differing,
         "differing": differing[:5],
         "n_differing": len(differing),
     }
-
-
-def grad_diff(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, Any]:
-    """``grad_max_abs_diff`` (in float32) and ``grads_bitwise_equal`` of ``grads`` vs ``ref``."""
-    return {
-        "grad_max_abs_diff": max((g.float() - p.float()).abs().max().item() for g, p in zip(grads, ref)),
-        "grads_bitwise_equal": all(torch.equal(g, p) for g, p in zip(grads, ref)),
-    }
-
-
-def profile_against_plain(
-    names: Iterable[str],
-    profiled_step: Callable[[str], dict[str, Any]],
-    compare: Callable[[list[torch.Tensor], list[torch.Tensor]], dict[str, Any]] = grad_diff,
-) -> dict[str, dict[str, Any]]:
-    """``profiled_step(name)`` for each name, in order; the ``"grads"`` it returns are
-    replaced by ``compare(grads, plain's grads)`` once ``plain`` has run."""
-    res: dict[str, dict[str, Any]] = {}
-    ref = None
-    for name in names:
-        r = profiled_step(name)
-        grads = r.pop("grads")
-        if name == "plain":
-            ref = grads
-        if ref is not None:
-            r.update(compare(grads, ref))
-        res[name] = r
-        del grads
-    return res

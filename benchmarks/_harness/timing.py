@@ -1,4 +1,4 @@
-"""Timing: interleaved rounds, per-round ratios, one timed step, the gc freeze.
+"""Timing: interleaved rounds, per-round ratios, forward and backward timed apart, the gc freeze.
 
 Every benchmark times its configurations the same way: after warm-up, each round runs
 every configuration once, in an order rotated by one each round (slow phases of a shared
@@ -14,7 +14,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,9 +25,17 @@ __all__ = [
     "ratio_summary",
     "sync",
     "time_step",
+    "time_fwd_bwd",
+    "PHASES",
     "interception_gone",
     "warn_if_interception_left",
 ]
+
+T = TypeVar("T")
+
+# What time_fwd_bwd returns: the forward, the backward, the two, and the host's time in
+# the forward call (on CUDA the host returns before the GPU is done; on CPU it is "fwd").
+PHASES = ("step", "fwd", "bwd", "host_fwd")
 
 
 def quartiles(v: list[float]) -> tuple[float, float]:
@@ -64,15 +72,21 @@ def frozen_gc() -> Iterator[None]:
             gc.unfreeze()
 
 
-def interleaved_rounds(steps: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def interleaved_rounds(
+    steps: dict[str, Callable[[], T]], rounds: int, deadline: float | None = None
+) -> dict[str, list[T]]:
     """Run every step once per round, the order rotated by one each round.
 
-    Each callable runs one step and returns its own duration in seconds (so that it can
-    leave set-up and synchronisation out). Returns the durations per name, in round order.
+    Each callable runs one step and returns its own measurement (so that it can leave
+    set-up and synchronisation out). Returns the measurements per name, in round order.
+    With ``deadline`` (a ``time.perf_counter()`` value), no round starts after it (at
+    least one round always runs).
     """
     names = list(steps)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    for rd in range(rounds):
+    times: dict[str, list[T]] = {k: [] for k in names}
+    for rd in range(rounds if names else 0):
+        if rd and deadline is not None and time.perf_counter() > deadline:
+            break
         k = rd % len(names)
         for name in names[k:] + names[:k]:
             times[name].append(steps[name]())
@@ -117,6 +131,38 @@ def time_step(step: Callable[[], Any], device: str = "cpu") -> float:
     dt = time.perf_counter() - t0
     del out
     return dt
+
+
+def time_fwd_bwd(forward: Callable[[], Any], backward: Callable[[Any], Any], device: str = "cpu") -> dict[str, float]:
+    """One ``backward(forward())``, after ``gc.collect()``: seconds of each phase (:data:`PHASES`).
+
+    CUDA: the phases come from CUDA events recorded around them on the current stream, so
+    the host is not stopped between forward and backward (as in training); a forward the
+    host cannot feed fast enough shows as a forward longer than its kernels. ``host_fwd``
+    is the host's time in the forward call. CPU: wall clock.
+    """
+    gc.collect()
+    sync(device)
+    if device.startswith("cuda"):
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        e0.record()
+        h0 = time.perf_counter()
+        out = forward()
+        h1 = time.perf_counter()
+        e1.record()
+        backward(out)
+        e2.record()
+        e2.synchronize()
+        fwd, bwd = e0.elapsed_time(e1) / 1e3, e1.elapsed_time(e2) / 1e3
+        del out
+        return {"step": fwd + bwd, "fwd": fwd, "bwd": bwd, "host_fwd": h1 - h0}
+    t0 = time.perf_counter()
+    out = forward()
+    t1 = time.perf_counter()
+    backward(out)
+    t2 = time.perf_counter()
+    del out
+    return {"step": t2 - t0, "fwd": t1 - t0, "bwd": t2 - t1, "host_fwd": t1 - t0}
 
 
 def interception_gone() -> bool:

@@ -10,10 +10,11 @@ computed from one *plain* forward (no gradient_scope involved) instrumented with
 * a ``saved_tensors_hooks`` pair over the whole forward that records the storage of every
   tensor autograd saves (the storages ``plain_held`` consists of, besides the loss);
 * a do-nothing ``TorchDispatchMode`` entered exactly where the strategy enters its
-  scopes, that records which storages the block's ops create (outputs whose storage is
-  new; views and in-place results of other storages are not new), and which storages
-  from outside the block its ops read. With a ``save=`` policy, the outputs of the ops it
-  selects are stored, not recomputed: they count as outside tensors, as in the scope.
+  scopes (around the forward of the modules it selects), that records which storages
+  the block's ops create (outputs whose storage is new; views and in-place results of
+  other storages are not new), and which storages from outside the block its ops read.
+  With a ``save=`` policy, the outputs of the ops it selects are stored, not recomputed:
+  they count as outside tensors, as in the scope.
 
 and
 
@@ -31,7 +32,7 @@ several views, counts once. That is why this is used as the ideal rather than
 ``plain_held - sum(scope.stats.bytes_packed)``: ``bytes_packed`` counts every saved
 instance separately (``x`` saved by two ops counts twice, each view of ``x`` counts its own
 ``numel``), includes block tensors that stay alive as the input of the next block, and does
-not see the inputs a block keeps alive. ``run.py`` reports both.
+not see the inputs a block keeps alive. ``benchmarks.run`` reports both.
 
 All block outputs are kept alive (strong references) until the analysis ends, so that no
 storage address is reused during the analysed forward.
@@ -40,7 +41,7 @@ storage address is reused during the analysed forward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ class _Marker(TorchDispatchMode):
         self.acct = acct
         self.block = block
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not torch.is_grad_enabled():
@@ -112,15 +113,15 @@ class BlockAccounting:
         self._blocks += 1
         return _Marker(self, self._blocks)
 
-    def mark_preexisting(self, tensors) -> None:
+    def mark_preexisting(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
             k = storage_key(t)
             if k is not None:
                 self.preexisting.add(k)
 
     @contextlib.contextmanager
-    def saving(self):
-        def pack(t):
+    def saving(self) -> Iterator[None]:
+        def pack(t: torch.Tensor) -> torch.Tensor:
             k = storage_key(t)
             if k is not None:
                 self.saved.add(k)

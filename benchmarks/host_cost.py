@@ -1,0 +1,205 @@
+"""Host cost per layer: what each strategy adds to plain's forward and fwd+bwd, per layer, on CPU.
+
+    python -m benchmarks.host_cost [--rounds N] [--inner N] [--quick]
+
+On a GPU a scoped forward is host-bound (docs NOTES, fourth round): the Python work per
+op takes longer than the kernels. That work is measured here, on a CPU, with tensors so
+small that the kernels cost almost nothing: Hugging Face Llama and Mixtral
+(``benchmarks/hf_zoo.py`` size ``host``: 8 layers, hidden 64, 32 tokens, tiny MLPs), one
+torch thread. Each strategy runs on its own copy of the model (``benchmarks/_harness/suite.py``:
+same weights, batch and seed; a few warm-up steps first, from which a ``Budget`` plans);
+each round runs every strategy (order rotated), taking the least of ``--inner`` steps.
+Per round, a strategy's extra time over plain, divided by the number of layers, is its
+host cost per layer, for the forward alone and for forward + backward; the medians over
+rounds are reported with their interquartile range, next to plain_again's (the A/A row:
+the noise). Aten ops per layer are counted once with a counting ``TorchDispatchMode``
+(untimed; the difference between the model at its depth and at half of it, so that
+embeddings, head and loss drop out), which turns the per-layer costs into microseconds
+per op. Results: ``benchmarks/results/cpu-host/`` (``--quick``: ``cpu-host-quick/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ._harness.machine import machine_info, mark_end
+from ._harness.report import Targets, header_lines, make_log, md_table, results_dir, sections, write_results
+from ._harness.strategies import AA, DESCRIPTIONS, OpCounter
+from ._harness.suite import Case, run_strategies
+from ._harness.timing import quartiles
+from .hf_zoo import build, preload
+
+__all__ = ["MODELS", "STRATEGIES", "count_ops", "per_layer", "main"]
+
+MODELS = ["llama", "mixtral"]
+STRATEGIES = ["plain", "mode_layer", "checkpoint", "scope_layer", "scope_layer_savemm", "budget50", AA]
+FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
+QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
+
+
+def count_ops(model: str, size: str, seed: int) -> dict[str, float]:
+    """Aten ops per layer in forward and in backward of plain (untimed)."""
+
+    def count(layers: int | None) -> tuple[int, int, int]:
+        built = build(model, size, seed, **({} if layers is None else {"layers": layers}))
+        c = built.case(model)
+        n = sum(1 for m in c.model.modules() if c.layers(m))
+        fwd, bwd = OpCounter(), OpCounter()
+        torch.manual_seed(seed)
+        with fwd:
+            loss = c.loss(c.model)
+        with bwd:
+            loss.backward()
+        return n, fwd.count, bwd.count
+
+    n, fwd, bwd = count(None)
+    half, fwd_h, bwd_h = count(max(1, n // 2))
+    if half == n:
+        raise ValueError(f"count_ops: {model} at size {size} has one layer; two depths are needed")
+    return {"layers": n, "fwd_ops": fwd, "bwd_ops": bwd,
+            "fwd_ops_per_layer": (fwd - fwd_h) / (n - half), "bwd_ops_per_layer": (bwd - bwd_h) / (n - half)}
+
+
+def per_layer(res: dict[str, Any], name: str, phase: str, layers: int) -> dict[str, Any]:
+    """``name``'s extra seconds over plain per layer in ``phase`` (``fwd`` or ``step``), per
+    round: median and quartiles, in microseconds."""
+    mine = res[name] if phase == "step" else res[name][phase]
+    base = res["plain"] if phase == "step" else res["plain"][phase]
+    extra = [1e6 * (a - b) / layers for a, b in zip(mine["times_s"], base["times_s"])]
+    return {"us_per_layer": statistics.median(extra), "quartiles": quartiles(extra), "per_round": extra}
+
+
+def run_model(model: str, size: str, rounds: int, inner: int, warmup: int, seed: int, log: Any) -> dict[str, Any]:
+    """The strategies on one model: timings, per-layer extras, op counts, agreement with plain."""
+    built = build(model, size, seed)
+    c: Case = built.case(model)
+    c.warm_up(seed)
+    layers = sum(1 for m in c.model.modules() if c.layers(m))
+    out = run_strategies(c, STRATEGIES, rounds, seed=seed, warmup=warmup, inner=inner, memory=False, log=log)
+    res = out["strategies"]
+    ops = count_ops(model, size, seed)
+    ops_step = ops["fwd_ops_per_layer"] + ops["bwd_ops_per_layer"]
+    host: dict[str, Any] = {}
+    for name, v in res.items():
+        if name == "plain" or "times_s" not in v:
+            continue
+        f, s = per_layer(res, name, "fwd", layers), per_layer(res, name, "step", layers)
+        host[name] = {"fwd": f, "step": s, "fwd_us_per_op": f["us_per_layer"] / ops["fwd_ops_per_layer"],
+                      "step_us_per_op": s["us_per_layer"] / ops_step}
+    plain = res["plain"]
+    ops["plain_fwd_us_per_op"] = 1e6 * plain["fwd"]["time_median_s"] / ops["fwd_ops"]
+    ops["plain_bwd_us_per_op"] = 1e6 * plain["bwd"]["time_median_s"] / ops["bwd_ops"]
+    return {"config": built.config, "layers": layers, "ops": ops, "host": host, **out}
+
+
+def compute_targets(models: dict[str, Any]) -> Targets:
+    """Issue 26's host-cost targets, each on every model, with the A/A spread beside them."""
+    T = Targets(("target", "model", "measured"))
+    pairs = (("scope_layer", "checkpoint"), ("budget50", "scope_layer"))
+    for m, r in models.items():
+        h = r["host"]
+        aa = h.get(AA, {}).get("step")
+        note = "" if aa is None else (f"A/A {aa['us_per_layer']:+.1f} us/layer (IQR {aa['quartiles'][0]:+.1f} to "
+                                      f"{aa['quartiles'][1]:+.1f})")
+        for mine, theirs in pairs:
+            if mine in h and theirs in h:
+                a, b = h[mine]["step"]["us_per_layer"], h[theirs]["step"]["us_per_layer"]
+                T.add(f"{mine} fwd+bwd host cost per layer <= {theirs}'s", m, f"{a:+.1f} vs {b:+.1f} us/layer",
+                      met=a <= b, note=note)
+            else:
+                missing = [k for k in (mine, theirs) if k not in h]
+                T.add(f"{mine} fwd+bwd host cost per layer <= {theirs}'s", m, f"not measured: {', '.join(missing)}",
+                      met=None, note=note)
+    return T
+
+
+def model_markdown(r: dict[str, Any]) -> str:
+    """One model: per-layer extras and per-op costs, then the strategies' own times."""
+    s, ops = r["strategies"], r["ops"]
+
+    def cell(v: dict[str, Any]) -> str:
+        q = v["quartiles"]
+        return f"{v['us_per_layer']:+.1f} ({q[0]:+.1f} to {q[1]:+.1f})"
+
+    rows = []
+    for name, v in s.items():
+        if "error" in v:
+            rows.append([name, f"failed: {v['error'][:100]}", "", "", "", "", "", ""])
+            continue
+        h = r["host"].get(name)
+        rows.append([name, f"{1e3 * v['fwd']['time_median_s']:.2f}", f"{1e3 * v['time_median_s']:.2f}",
+                     cell(h["fwd"]) if h else "", cell(h["step"]) if h else "",
+                     f"{h['fwd_us_per_op']:+.2f}" if h else "", f"{h['step_us_per_op']:+.2f}" if h else "",
+                     "equal" if v.get("grads_vs_plain", {}).get("bitwise_equal") else
+                     f"max {v.get('grads_vs_plain', {}).get('max_abs_diff')}"])
+    return "\n".join([
+        f"{r['config']['model']}; " + ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "model")
+        + f". Aten ops per layer (plain, counted once): {ops['fwd_ops_per_layer']:.1f} forward, "
+        f"{ops['bwd_ops_per_layer']:.1f} backward; plain's own time per op: {ops['plain_fwd_us_per_op']:.2f} us "
+        f"forward, {ops['plain_bwd_us_per_op']:.2f} us backward ({ops['fwd_ops']} / {ops['bwd_ops']} ops per step). "
+        f"{r['rounds']} rounds.", "",
+        md_table(["strategy", "fwd (ms)", "fwd+bwd (ms)", "fwd: extra us per layer (IQR)",
+                  "fwd+bwd: extra us per layer (IQR)", "fwd: extra us per op", "fwd+bwd: extra us per op",
+                  "grads vs plain"], rows),
+    ])
+
+
+def to_markdown(results: dict[str, Any]) -> str:
+    out = [
+        *header_lines("# Host cost per layer", "benchmarks.host_cost", results, ("transformers",)),
+        f"- CPU, one torch thread; per round the least of {results['inner']} steps per strategy, "
+        f"{results['warmup']} warm-up steps first; extra = (strategy - plain) / layers, per round, median (IQR)",
+        "- per op: the extra per layer over the aten ops per layer (forward ops for fwd; forward + backward ops "
+        "for fwd+bwd)",
+        "",
+        *sections(Targets.from_rows(results["targets"]), {k: DESCRIPTIONS[k] for k in STRATEGIES}),
+    ]
+    for m, r in results["models"].items():
+        out += [f"## {m}", "", model_markdown(r), ""]
+    warnings = [f"{m}: {w}" for m, r in results["models"].items() for w in r["warnings"]]
+    return "\n".join(out + sections(warnings=warnings))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line entry point; returns the results dict."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny models (2 layers), 2 rounds: a smoke test in seconds")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=MODELS)
+    p.add_argument("--rounds", type=int, help=f"interleaved rounds (default {FULL['rounds']})")
+    p.add_argument("--inner", type=int, help=f"steps per strategy and round, the least kept (default {FULL['inner']})")
+    p.add_argument("--warmup", type=int, help=f"warm-up steps per strategy (default {FULL['warmup']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="output directory (default benchmarks/results/cpu-host[-quick]/)")
+    a = p.parse_args(argv)
+    mode = QUICK if a.quick else FULL
+    rounds, inner, warmup = a.rounds or mode["rounds"], a.inner or mode["inner"], a.warmup or mode["warmup"]
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    log = make_log(t_start)
+    out_dir = results_dir(a.out, "cpu-host" + ("-quick" if a.quick else ""))
+    preload(a.models)
+    machine = machine_info("cpu", packages=("transformers",))
+    results: dict[str, Any] = {"argv": argv, "size": mode["size"], "rounds": rounds, "inner": inner,
+                               "warmup": warmup, "seed": a.seed, "machine": machine, "models": {}}
+    for m in a.models:
+        log(f"{m} ({mode['size']}): {len(STRATEGIES)} strategies, {rounds} rounds of {inner} step(s)")
+        results["models"][m] = run_model(m, mode["size"], rounds, inner, warmup, a.seed, log)
+        print(f"\n{m}\n{model_markdown(results['models'][m])}\n", flush=True)
+    mark_end(machine)
+    results["targets"] = compute_targets(results["models"])
+    results["duration_s"] = time.perf_counter() - t_start
+    write_results(out_dir, results, to_markdown(results))
+    print("targets\n" + results["targets"].markdown())
+    log(f"wrote {out_dir}/results.json and results.md")
+    return results
+
+
+if __name__ == "__main__":
+    main()
