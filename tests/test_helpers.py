@@ -315,7 +315,9 @@ def test_check_fn_selects_modules():
     wrapped = {n for n, m in model.named_modules() if "forward" in vars(m)}
     assert wrapped == {"blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}
     remove_recompute(model)
-    apply_recompute(model)  # default: every module, the root included
+    with pytest.warns(UserWarning, match=r"no check_fn: GPT and every one of its \d+ submodules run in scopes") as w:
+        apply_recompute(model)  # default: every module, the root included
+    assert w[0].filename == __file__  # the warning names the user's line
     assert all("forward" in vars(m) for m in model.modules())
     remove_recompute(model)
     assert not any("forward" in vars(m) for m in model.modules())
@@ -422,7 +424,7 @@ def test_exception_in_forward_exits_scope():
             return h
 
     m = Boom()
-    apply_recompute(m)
+    apply_recompute(m, check_fn=Boom)
     before = global_state()
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(ValueError, match="boom"):
@@ -479,7 +481,7 @@ def test_kwargs_and_nested_outputs(kind):
         torch.manual_seed(0)
         m = Fancy()
         if apply:
-            apply_recompute(m)
+            apply_recompute(m, check_fn=lambda x: True)  # every module (the default, without its warning)
         x = torch.randn(3, 5, D, requires_grad=True)
         mask = torch.rand(3, 5, 2 * D) > 0.7
         out = m(x, 0.5, mask=mask, kind=kind)
@@ -540,10 +542,10 @@ def test_pickle_and_deepcopy(options, how):
 
 def test_shallow_copy_reapply_rebinds():
     block = Block()
-    apply_recompute(block)
+    apply_recompute(block, check_fn=Block)
     twin = copy.copy(block)
     assert vars(twin)["forward"].module is block  # documented caveat
-    apply_recompute(twin)
+    apply_recompute(twin, check_fn=Block)
     assert vars(twin)["forward"].module is twin
     assert vars(block)["forward"].module is block
     remove_recompute(twin)

@@ -16,6 +16,7 @@ import torch
 
 from .._base import torch_compat as _torch_compat
 from .._base.errors import Site, check_bool
+from .._base.feedback import unknown_options
 from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
@@ -120,6 +121,9 @@ class recompute_scope:
     """
 
     def __new__(cls, *args: Any, **options: Any) -> Any:
+        for name in options:
+            if name not in _OPTION_NAMES:
+                raise unknown_options("recompute_scope", set(options) - _OPTION_NAMES, _OPTION_NAMES)
         if args:  # the bare decorator, ``@recompute_scope`` (as ``@torch.no_grad``)
             if len(args) > 1 or options or not callable(args[0]):
                 raise TypeError(
@@ -216,7 +220,7 @@ class recompute_scope:
             record = BlockRecord()
             state = ReplayState(record)
             if budget is not None:
-                self._budget_block = budget.open_block(site, record, state)
+                self._budget_block = budget._open_block(site, record, state)
         elif budget is not None:
             _warn_budget_nested()
         frame = self._frame = Frame(
@@ -291,6 +295,7 @@ _init_signature = inspect.signature(recompute_scope.__init__)
 recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-defined]
     parameters=list(_init_signature.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
+_OPTION_NAMES = frozenset(list(_init_signature.parameters)[1:])
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:
