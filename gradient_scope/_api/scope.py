@@ -15,8 +15,8 @@ from typing import Any, TypeVar, overload
 import torch
 
 from .._base import torch_compat as _torch_compat
-from .._base.errors import Site, check_bool
-from .._base.feedback import unknown_options
+from .._base.errors import Site, check_bool, where
+from .._base.feedback import unknown_options, warn_once
 from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
@@ -26,7 +26,7 @@ from .._record.entry import OpenBlock
 from .._record.types import BlockRecord, Frame
 from .._restore.handles import ReplayState
 from .._save import interception as _interception
-from ..policies import as_save_policy
+from ..policies import BUILT_IN, as_save_policy
 
 __all__ = ["recompute_scope", "recompute", "set_traced_block"]
 
@@ -275,6 +275,7 @@ class recompute_scope:
             clean = _recorder.close_block(block, aborted)
         finally:
             _interception.sweep()
+        _check_matched(block.frame, len(block.record.ops), aborted)
         if self._budget_block is not None:
             plan, self._budget_block = self._budget_block, None
             plan.close(aborted)
@@ -321,6 +322,24 @@ def _check_budget(budget: Any, save: Any) -> Budget:
 
 
 _warned: set[str] = set()
+
+
+def _check_matched(frame: Frame, recorded: int, aborted: bool) -> None:
+    """A built-in policy (``save_matmuls``, ``save_attention``) that kept no op of a block
+    that recorded some warns, once per policy per process: the model does not run the
+    ops it names (e.g. its attention is no SDPA kernel), so everything is recomputed."""
+    policy = frame.save
+    if policy not in BUILT_IN or frame.kept_any or aborted or not recorded:
+        return
+    name = getattr(policy, "__name__", repr(policy))
+    warn_once(
+        ("policy matched nothing", name),
+        f"gradient_scope: save={name} matched no op of a block of {recorded} recorded ops: nothing is "
+        f"stored, everything is recomputed. The model may not run the ops {name} names (e.g. attention "
+        "that is not an F.scaled_dot_product_attention kernel). Check the ops with saved_tensors_report(), "
+        "then name them (save=[torch.ops.aten.bmm]) or use a context policy "
+        f"(gradient_scope.policies.context_policy). Warned once per policy. {where(frame.site)}",
+    )
 
 
 def _warn_budget_nested() -> None:
