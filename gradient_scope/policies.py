@@ -34,6 +34,7 @@ the name of the :func:`name_region` it runs in) instead of the op alone::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -295,8 +296,9 @@ def name_region(name: str) -> Iterator[None]:
         ...     return ctx.name == "scores"
         >>> q = torch.randn(4, 8, requires_grad=True)
         >>> with recompute_scope(save=keep_scores) as scope:
+        ...     k = q.t()
         ...     with name_region("scores"):
-        ...         s = q @ q.t()          # stored: its op ran in the region "scores"
+        ...         s = q @ k              # stored: its op ran in the region "scores"
         ...     p = s.softmax(-1)          # recomputed
         >>> scope.stats.ops_saved
         1
@@ -421,6 +423,20 @@ class ContextPolicy:
 
     def __hash__(self) -> int:
         return hash(self.fn)
+
+    def __reduce__(self) -> Any:
+        # A decorated module-level function: its name now refers to this object.
+        module, name = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
+        if isinstance(module, str) and _by_name(module, name) is self:
+            return (_by_name, (module, name))
+        return (ContextPolicy, (self.fn,))
+
+
+def _by_name(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def context_policy(fn: Callable[[OpContext], bool]) -> ContextPolicy:
