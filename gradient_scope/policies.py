@@ -340,7 +340,8 @@ class OpContext:
         self.op = op
         self.name = name
         self._args = args
-        self._outs = tuple(o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self._outs = tuple(o for o in outs if isinstance(o, torch.Tensor))
         self._path = path
 
     @property

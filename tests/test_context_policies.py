@@ -135,9 +135,8 @@ def test_what_the_policy_sees():
 
     @context_policy
     def log(ctx):
-        seen.append(
-            (ctx.op, ctx.module_path, ctx.layer, ctx.name, ctx.arg_shapes, ctx.arg_dtypes, ctx.out_shapes, ctx.out_dtypes)
-        )
+        where = (ctx.op, ctx.module_path, ctx.layer, ctx.name)
+        seen.append((*where, ctx.arg_shapes, ctx.arg_dtypes, ctx.out_shapes, ctx.out_dtypes))
         return False
 
     torch.manual_seed(0)

@@ -3,6 +3,7 @@ the plain program, what they keep and what they free, and saved ops never replay
 
 import math
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -536,3 +537,23 @@ def test_sdpa_on_cpu_fused_kernel_or_math_path(dropout, attention_saved, matmuls
     for policy, saved in ((save_attention, attention_saved), (save_matmuls, matmuls_saved)):
         scopes, _ = run_both(lambda scope: program(scope, policy))
         assert stat(scopes.created[0], "ops_saved") == saved
+
+
+def test_a_built_in_policy_that_matches_nothing_warns_once(monkeypatch):
+    import gradient_scope._base.feedback as feedback
+
+    monkeypatch.setattr(feedback, "_warned", set())
+    model = Net(sdpa=False)  # attention written out: no SDPA kernel for save_attention
+
+    def run():
+        x = torch.randn(2, 5, 16)
+        model(x, lambda: recompute_scope(save=save_attention)).sum().backward()
+
+    with pytest.warns(UserWarning, match=r"save=save_attention matched no op of a block of \d+ recorded ops") as w:
+        run()
+    assert len(w) == 1 and w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # once per policy per process
+        model_sdpa = Net(sdpa=True)
+        model_sdpa(torch.randn(2, 5, 16), lambda: recompute_scope(save=save_matmuls)).sum().backward()

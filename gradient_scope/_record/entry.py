@@ -327,9 +327,9 @@ def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...]
         rkwargs = _ref_kwargs(block, kwargs) if kwargs else NO_KWARGS
     except Unrecordable:
         return out  # R8: its outputs are ordinary tensors (it writes nothing)
-    if f.meta_only and args and isinstance(args[0], Tensor) and args[0].layout == torch.strided:
-        if not is_wrapper(args[0]):
-            rargs[0] = MetaArg(args[0])
+    first = args[0] if args else None
+    if f.meta_only and isinstance(first, Tensor) and first.layout == torch.strided and not is_wrapper(first):
+        rargs[0] = MetaArg(first)
     _append(block, func, f, args, kwargs, rargs, rkwargs, rng, out)
     return out
 

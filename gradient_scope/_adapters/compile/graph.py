@@ -63,10 +63,10 @@ import torch._dynamo
 import torch._functorch.config as _functorch_config
 
 from ..._base.errors import check_bool
+from ..._base.feedback import warn_once
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats
 from ..._base.torch_compat import OpOverload, op_schema
-from ..._base.feedback import warn_once
 from ...policies import BUILT_IN, NAME_KEY, ContextPolicy, OpContext, as_save_policy
 from .inputs import pin_reads_of_written_inputs
 from .versions import guard_input_versions
