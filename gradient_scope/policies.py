@@ -417,7 +417,8 @@ class ContextPolicy:
         return self.fn
 
     def __repr__(self) -> str:
-        return f"context_policy({getattr(self.fn, '__qualname__', None) or self.fn!r})"
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        return f"context_policy({name})"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ContextPolicy) and self.fn == other.fn
@@ -565,7 +566,7 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     contextual = [item for item in items if isinstance(item, ContextPolicy)]
     if contextual:  # a context policy among them: the result takes an OpContext
         rest = save_any(*(item for item in items if not isinstance(item, ContextPolicy)))
-        return ContextPolicy(_AnyContext(rest, tuple(contextual)))  # type: ignore[return-value]
+        return ContextPolicy(_AnyContext(rest, tuple(contextual)))
     for item in items:
         if isinstance(item, (OpOverload, OpOverloadPacket)):
             ops.append(item)
