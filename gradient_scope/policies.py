@@ -56,6 +56,7 @@ __all__ = [
     "region_name",
     "as_save_policy",
     "BUILT_IN",
+    "is_built_in",
     "NAME_KEY",
 ]
 
@@ -257,7 +258,12 @@ def save_matmuls(op: Any) -> bool:
 
 #: The ready-made op policies: one that matches no op of a block warns once (the
 #: model may not run the ops it names, e.g. attention that is no SDPA kernel).
-BUILT_IN: frozenset[Callable[[Any], bool]] = frozenset({save_matmuls, save_attention})
+BUILT_IN: tuple[Callable[[Any], bool], ...] = (save_matmuls, save_attention)
+
+
+def is_built_in(policy: Any) -> bool:
+    """Whether ``policy`` is one of :data:`BUILT_IN` (by identity: a user's policy may not hash)."""
+    return any(policy is p for p in BUILT_IN)
 
 
 # ------------------------------------------------------------------ where and what
@@ -306,9 +312,13 @@ def name_region(name: str) -> Iterator[None]:
     if not isinstance(name, str):
         raise TypeError(f"name_region: name must be a str, got {type(name).__name__}")
     if torch.compiler.is_compiling():
-        with torch.fx.traceback.annotate({NAME_KEY: name}):
-            yield
-        return
+        import torch.fx.traceback as fx_traceback
+
+        annotate = getattr(fx_traceback, "annotate", None)  # torch >= 2.13; before, scopes run eagerly
+        if annotate is not None:
+            with annotate({NAME_KEY: name}):
+                yield
+            return
     names: list[str] | None = getattr(_regions, "names", None)
     if names is None:
         names = _regions.names = []

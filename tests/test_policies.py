@@ -557,3 +557,18 @@ def test_a_built_in_policy_that_matches_nothing_warns_once(monkeypatch):
         run()  # once per policy per process
         model_sdpa = Net(sdpa=True)
         model_sdpa(torch.randn(2, 5, 16), lambda: recompute_scope(save=save_matmuls)).sum().backward()
+
+
+def test_an_unhashable_policy_object_works():
+    class Policy:  # __eq__ without __hash__: instances do not hash
+        def __eq__(self, other):
+            return isinstance(other, Policy)
+
+        def __call__(self, op):
+            return op is aten.mm.default
+
+    w = torch.randn(4, 4, requires_grad=True)
+    with recompute_scope(save=Policy()) as scope:
+        h = (w @ w).relu()
+    h.sum().backward()
+    assert scope.stats.ops_saved == 1

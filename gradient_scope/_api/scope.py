@@ -26,7 +26,7 @@ from .._record.entry import OpenBlock
 from .._record.types import BlockRecord, Frame
 from .._restore.handles import ReplayState
 from .._save import interception as _interception
-from ..policies import BUILT_IN, as_save_policy
+from ..policies import as_save_policy, is_built_in
 
 __all__ = ["recompute_scope", "recompute", "set_traced_block"]
 
@@ -334,7 +334,7 @@ def _check_matched(frame: Frame, recorded: int, aborted: bool) -> None:
     that recorded some warns, once per policy per process: the model does not run the
     ops it names (e.g. its attention is no SDPA kernel), so everything is recomputed."""
     policy = frame.save
-    if policy not in BUILT_IN or frame.kept_any or aborted or not recorded:
+    if not is_built_in(policy) or frame.kept_any or aborted or not recorded:
         return
     name = getattr(policy, "__name__", repr(policy))
     warn_once(

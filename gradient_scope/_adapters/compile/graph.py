@@ -67,7 +67,7 @@ from ..._base.feedback import warn_once
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats
 from ..._base.torch_compat import OpOverload, op_schema
-from ...policies import BUILT_IN, NAME_KEY, ContextPolicy, OpContext, as_save_policy
+from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
 from .inputs import pin_reads_of_written_inputs
 from .versions import guard_input_versions
 
@@ -420,7 +420,7 @@ def _path(node: torch.fx.Node) -> str:
 
 def _check_matched(tagged: list[tuple[torch.fx.Node, _Entry]], decisions: dict[tuple[int, Any], bool]) -> None:
     """A built-in policy that kept no node of a scope warns, once per policy (as in eager)."""
-    scopes = {id(entry): entry for _, entry in tagged if entry.policy in BUILT_IN}
+    scopes = {id(entry): entry for _, entry in tagged if is_built_in(entry.policy)}
     for entry in scopes.values():
         ids = {sid for sid, e in _ENTRIES.items() if e is entry}
         if not any(save for (sid, _), save in decisions.items() if sid in ids):
