@@ -368,6 +368,7 @@ def test_check_fn_matching_nothing_warns_and_changes_nothing(check_fn):
     assert vars(model.blocks[0].attn)["forward"].options == {}  # not updated to save=
 
 
+@pytest.mark.filterwarnings("ignore:apply_recompute. no check_fn")  # the default, on purpose
 def test_every_module_gradients_equal_plain():
     assert_same_run(train(apply_recompute), train())
 
@@ -407,7 +408,7 @@ def test_no_reference_cycle():
 
 def test_signature_and_repr():
     block = Block()
-    apply_recompute(block, save=save_matmuls)
+    apply_recompute(block, check_fn=Block, save=save_matmuls)
     assert list(inspect.signature(block.forward).parameters) == ["x"]
     assert "recompute_scope" in repr(block.forward) and "save_matmuls" in repr(block.forward)
 

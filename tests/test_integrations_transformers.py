@@ -161,7 +161,7 @@ def test_guard_waits_for_a_training_forward():
 def test_disable_restores_exactly():
     model = make_model("llama")
     layers = layers_of(model)
-    apply_recompute(layers[1].mlp)  # the user's own scope: stays
+    apply_recompute(layers[1].mlp, check_fn=type(layers[1].mlp))  # the user's own scope: stays
     own_forward = layers[2].forward
     layers[2].forward = own_forward  # an instance attribute of the user's: put back
     before = {id(m): vars(m).get("forward") for m in model.modules()}

@@ -289,6 +289,7 @@ POLICIES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:gradient_scope. save=save_attention matched no op")  # manual attention
 @pytest.mark.parametrize("sdpa", [False, True], ids=["manual_attn", "sdpa"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gradients_equal_plain(policy, sdpa):
@@ -328,6 +329,7 @@ def _check_memory(expect_alive):
     ids=["none", "save_nothing", "save_matmuls", "save_matmuls_sdpa", "save_attention_sdpa",
          "save_attention_manual", "save_any_gelu"],
 )
+@pytest.mark.filterwarnings("ignore:gradient_scope. save=save_attention matched no op")  # manual attention
 def test_what_is_kept(policy, sdpa, expect_alive):
     run_both(train_program(sdpa=sdpa, steps=1, check=_check_memory(expect_alive)), save=policy)
 
