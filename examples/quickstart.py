@@ -296,7 +296,8 @@ def train(makers: dict, warmup: int = WARMUP, rounds: int = ROUNDS, device: str 
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q1, median, q3 = statistics.quantiles(values, n=4)
+    # "inclusive": within the values' range (the default extrapolates beyond it with few rounds).
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, median, q3
 
 
