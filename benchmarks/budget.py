@@ -90,17 +90,17 @@ class _TimedPlan:
 
 
 class _TimedBudget(Budget):
-    """A Budget that counts the CPU time of the calls scopes make to it (``open_block``,
+    """A Budget that counts the CPU time of the calls scopes make to it (``_open_block``,
     which also ends and plans a step) and to the plans it hands out, in ``spent``."""
 
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
         self.spent = 0.0
 
-    def open_block(self, *args: Any, **kwargs: Any) -> Any:
+    def _open_block(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.process_time()
         try:
-            plan = super().open_block(*args, **kwargs)
+            plan = super()._open_block(*args, **kwargs)
         finally:
             self.spent += time.process_time() - t0
         return _TimedPlan(plan, self)
@@ -108,8 +108,8 @@ class _TimedBudget(Budget):
 
 def own_time(c: Case, nbytes: int) -> dict[str, float] | None:
     """CPU seconds spent in a budget's own code during a step, and the step's (the middle
-    of 3 steps by share); None where scopes no longer call ``Budget.open_block``."""
-    if not callable(getattr(Budget, "open_block", None)):
+    of 3 steps by share); None where scopes no longer call ``Budget._open_block``."""
+    if not callable(getattr(Budget, "_open_block", None)):
         return None
     runner = Runner(c, "plain", share_params=True)
     budget = _TimedBudget(nbytes)

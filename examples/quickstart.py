@@ -19,24 +19,31 @@ recomputation is bitwise exact). Last, the largest rows of a ``saved_tensors_rep
 of each variant's first forward: what autograd saves, by module and op, and how much of
 it the scopes turned into recompute handles.
 
-Run:  python examples/quickstart.py
+Run:  python examples/quickstart.py [--rounds N] [--warmup N] [--device cpu|cuda]
 """
 
+import argparse
 import contextlib
 import math
+import os
 import statistics
+import sys
 import time
+import warnings
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
+# torch warns at import when NumPy is absent (pytorch/pytorch#125678); nothing here uses NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from gradient_scope import recompute_scope, saved_tensors_report
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+from gradient_scope import recompute_scope, saved_tensors_report  # noqa: E402
 
 VOCAB, CONTEXT, D_MODEL, N_HEAD, N_LAYER = 512, 128, 128, 4, 3
 BATCH, DROPOUT, SEED = 8, 0.1, 0
-WARMUP, ROUNDS = 3, 20  # step timing: untimed warm-up rounds, then timed interleaved rounds
+WARMUP, ROUNDS = 3, 20  # step timing: untimed warm-up rounds, then timed interleaved rounds (defaults)
 
 
 def scope(recompute: bool):
@@ -111,7 +118,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
 
     def forward(self, idx, targets):
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
@@ -120,24 +127,49 @@ class GPT(nn.Module):
 
 # ------------------------------------------------------------------ memory probe
 #
-# CPU memory is measured with PyTorch's profiler (profile_memory=True), which logs every
-# CPU tensor allocation (+nbytes) and deallocation (-nbytes) while it runs.  Summing
-# those deltas in time order gives the exact number of bytes allocated since the
-# profiler started, at every moment:
-#   held = level at the end of the forward pass  (what autograd keeps for backward,
-#          plus the scalar loss; parameters existed before and are not counted)
+#   held = bytes allocated during the forward pass and still allocated at its end (what
+#          autograd keeps for backward, plus the scalar loss; parameters existed before
+#          and are not counted)
 #   peak = highest level reached during forward + backward (gradients included).
-# Forward and backward must be profiled in ONE session: the profiler cannot report the
-# free of a block allocated before it started.  Saved-tensor hooks are out of the
-# question as a probe here: gradient_scope itself is built on them.
+#
+# CUDA: the caching allocator's public counters (torch.cuda.memory_allocated,
+# max_memory_allocated). CPU: torch keeps no allocator statistics, so the level at every
+# moment comes from the profiler's allocation log (profile_memory=True: every allocation
+# +nbytes and free -nbytes, timestamped); its public events() fold the records inside an
+# op into one net sum, which loses the peak, hence the raw kineto_results (see
+# benchmarks/_harness/memory.py). Forward and backward are profiled in ONE session: the
+# profiler cannot report the free of a block allocated before it started. Saved-tensor
+# hooks are out of the question as a probe here: gradient_scope itself is built on them.
 
 
-def profile_memory(forward, backward):
-    """Run ``out = forward(); backward(out)``; return ``(out, held, peak)`` in bytes."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+@contextlib.contextmanager
+def quiet_fd2():
+    """Silence file descriptor 2 for a moment, then restore it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def profile_cpu_memory(forward, backward):
+    """CPU: run ``out = forward(); backward(out)``; return ``(out, held, peak)`` in bytes."""
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # torch 2.13's profiler (kineto) writes a 'USDT ... profiler_start/stop' line to fd 2 at each start and stop.
+    with quiet_fd2():
+        prof.__enter__()
+    try:
         with record_function("quickstart.forward"):
             out = forward()
         backward(out)
+    finally:
+        with quiet_fd2():
+            prof.__exit__(None, None, None)
     events = prof.profiler.kineto_results.events()
     fwd_end = max(e.start_ns() + e.duration_ns() for e in events if e.name() == "quickstart.forward")
     deltas = sorted(
@@ -152,6 +184,26 @@ def profile_memory(forward, backward):
         if t <= fwd_end:
             held = level
     return out, held, peak
+
+
+def cuda_memory(forward, backward, device):
+    """CUDA: the same from the allocator's public counters (no profiler needed)."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = forward()
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - base
+    backward(out)
+    torch.cuda.synchronize(device)
+    return out, held, torch.cuda.max_memory_allocated(device) - base
+
+
+def profile_memory(forward, backward, device=None):
+    """Run ``out = forward(); backward(out)`` on ``device``; return ``(out, held, peak)`` in bytes."""
+    if device is not None and device.type == "cuda":
+        return cuda_memory(forward, backward, device)
+    return profile_cpu_memory(forward, backward)
 
 
 def check_memory_probe():
@@ -177,15 +229,16 @@ def check_memory_probe():
 # profiled (memory, what autograd saves, first gradients) and not timed. Step times come
 # from interleaved rounds: each round runs one step of each variant, each round starting
 # with another one, so that load from other processes and CPU frequency changes hit all alike. The first
-# WARMUP rounds are not timed (allocator and first-call costs).
+# warm-up rounds are not timed (allocator and first-call costs).
 
 
 class Run:
     """One variant: its model, optimizer and what its steps measured."""
 
-    def __init__(self, make_model):
+    def __init__(self, make_model, device: torch.device):
         torch.manual_seed(SEED)  # same weights in every variant
-        self.model = make_model()
+        self.device = device
+        self.model = make_model().to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
         self.times: list[float] = []
         self.losses: list[float] = []
@@ -194,13 +247,19 @@ class Run:
         """One training step (forward, backward, AdamW); returns its wall time in seconds."""
         torch.manual_seed(SEED + step)  # same dropout masks in both variants
         self.opt.zero_grad(set_to_none=True)
+        self.sync()
         t0 = time.perf_counter()
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
+        self.sync()
         elapsed = time.perf_counter() - t0
         self.losses.append(loss.item())
         return elapsed
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def profiled_step(self, x, y) -> None:
         torch.manual_seed(SEED)
@@ -211,39 +270,48 @@ class Run:
             with saved_tensors_report() as self.report:
                 return self.model(x, y)
 
-        loss, self.held, self.peak = profile_memory(forward, lambda loss: loss.backward())
+        loss, self.held, self.peak = profile_memory(forward, lambda loss: loss.backward(), self.device)
         self.grads = [p.grad.clone() for p in self.model.parameters()]
         self.opt.step()
         self.losses.append(loss.item())
 
 
-def train(makers: dict) -> dict:
+def train(makers: dict, warmup: int = WARMUP, rounds: int = ROUNDS, device: str = "cpu") -> dict:
     """Train one model per ``name -> make_model`` side by side; returns ``name -> Run``."""
     torch.manual_seed(SEED)
-    tokens = torch.randint(VOCAB, (1 + WARMUP + ROUNDS, BATCH, CONTEXT + 1))  # synthetic data
-    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-    runs = {name: Run(make) for name, make in makers.items()}
+    tokens = torch.randint(VOCAB, (1 + warmup + rounds, BATCH, CONTEXT + 1))  # synthetic data
+    batches = [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
+    runs = {name: Run(make, torch.device(device)) for name, make in makers.items()}
     for run in runs.values():
         run.profiled_step(*batches[0])
     variants = list(runs.values())
-    for step in range(1, 1 + WARMUP + ROUNDS):
+    for step in range(1, 1 + warmup + rounds):
         # Each round starts with another variant (a rotation), so none always runs first.
         order = variants[step % len(variants) :] + variants[: step % len(variants)]
         for run in order:
             elapsed = run.step(step, *batches[step])
-            if step > WARMUP:
+            if step > warmup:
                 run.times.append(elapsed)
     return runs
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q1, median, q3 = statistics.quantiles(values, n=4)
+    # "inclusive": within the values' range (the default extrapolates beyond it with few rounds).
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, median, q3
 
 
 def main():
+    parser = argparse.ArgumentParser(description="Train a small GPT with and without recompute_scope.")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed interleaved rounds (at least 2)")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed warm-up rounds")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    if args.rounds < 2 or args.warmup < 0:
+        parser.error("--rounds must be at least 2 (the step-time quartiles need two) and --warmup at least 0")
     check_memory_probe()
-    runs = train({"plain": lambda: GPT(recompute=False), "scoped": lambda: GPT(recompute=True)})
+    makers = {"plain": lambda: GPT(recompute=False), "scoped": lambda: GPT(recompute=True)}
+    runs = train(makers, args.warmup, args.rounds, args.device)
     plain, scoped = runs["plain"], runs["scoped"]
 
     MiB = 2**20
@@ -255,8 +323,8 @@ def main():
     print(f"activation memory saved by recompute_scope: {1 - scoped.held / plain.held:.0%}")
     q1, ratio, q3 = quartiles([s / p for p, s in zip(plain.times, scoped.times)])
     print(
-        f"step time scoped / plain: {ratio:.2f}x (median of {ROUNDS} interleaved rounds after "
-        f"{WARMUP} warm-up rounds; quartiles {q1:.2f}x-{q3:.2f}x)"
+        f"step time scoped / plain: {ratio:.2f}x (median of {args.rounds} interleaved rounds after "
+        f"{args.warmup} warm-up rounds; quartiles {q1:.2f}x-{q3:.2f}x)"
     )
     if q3 - q1 > 0.2 * ratio:
         print("  (the quartiles are far apart: other processes loaded this machine; rerun on an idle one)")

@@ -24,7 +24,7 @@ from ._base.stats import ScopeStats
 from ._base.version import __version__ as __version__
 from ._budget.budget import Budget
 from ._report.report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
-from .policies import save_any, save_attention, save_matmuls, save_nothing
+from .policies import OpContext, context_policy, name_region, save_any, save_attention, save_matmuls, save_nothing
 
 # The adapters, registered with the core (see docs/internals.md). FSDP2: brings back
 # freed parameter storage for a replay (imports no torch.distributed).
@@ -44,14 +44,17 @@ _scope.set_traced_block(_traced_block)
 __all__ = [
     "Budget",
     "ModelStats",
+    "OpContext",
     "RecomputeError",
     "SavedTensorsReport",
     "SavedTensorsRow",
     "ScopeStats",
     "apply_recompute",
     "checkpoint",
+    "context_policy",
     "disabled",
     "model_stats",
+    "name_region",
     "recompute",
     "recompute_scope",
     "recompute_sequential",

@@ -20,19 +20,45 @@ and add single ops, with :func:`save_any`. Overloads that write to an argument
 (in-place and ``out=`` variants such as ``aten.addmm_`` or ``aten.mm.out``)
 never match the named policies below: their writes are left to the scope to
 record.
+
+A policy can also see where and what the op is: mark it with
+:func:`context_policy` and it is called with an :class:`OpContext` per op call
+(the module path the op runs under, its arguments' and outputs' shapes and dtypes,
+the name of the :func:`name_region` it runs in) instead of the op alone::
+
+    @context_policy
+    def save_early_attention(ctx: OpContext) -> bool:     # layers 0-3 only
+        return save_attention(ctx.op) and ctx.layer is not None and ctx.layer < 4
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from ._base.torch_compat import OpOverload, OpOverloadPacket, op_overload_name, op_qualified_name, op_schema
 
-__all__ = ["save_nothing", "save_matmuls", "save_attention", "save_any", "as_save_policy"]
+__all__ = [
+    "save_nothing",
+    "save_matmuls",
+    "save_attention",
+    "save_any",
+    "context_policy",
+    "ContextPolicy",
+    "OpContext",
+    "name_region",
+    "region_name",
+    "as_save_policy",
+    "BUILT_IN",
+    "is_built_in",
+    "NAME_KEY",
+]
 
 
 # Op names (without the ``aten::`` namespace) matched by the policies. Most
@@ -230,6 +256,231 @@ def save_matmuls(op: Any) -> bool:
     return name in _MATMUL_OPS or name in _CONVOLUTION_OPS or _is_attention(name)
 
 
+#: The ready-made op policies: one that matches no op of a block warns once (the
+#: model may not run the ops it names, e.g. attention that is no SDPA kernel).
+BUILT_IN: tuple[Callable[[Any], bool], ...] = (save_matmuls, save_attention)
+
+
+def is_built_in(policy: Any) -> bool:
+    """Whether ``policy`` is one of :data:`BUILT_IN` (by identity: a user's policy may not hash)."""
+    return any(policy is p for p in BUILT_IN)
+
+
+# ------------------------------------------------------------------ where and what
+
+
+#: The key of a region name in a compiled graph's node annotation (``node.meta["custom"]``).
+NAME_KEY = "gradient_scope_name"
+
+_regions = threading.local()
+
+
+def region_name() -> str | None:
+    """The name of the innermost :func:`name_region` running in this thread (eager code)."""
+    names: list[str] | None = getattr(_regions, "names", None)
+    return names[-1] if names else None
+
+
+@contextlib.contextmanager
+def name_region(name: str) -> Iterator[None]:
+    """Name the ops run inside the ``with`` block, for context policies (``ctx.name``).
+
+    Nothing else changes: outside a scope, or in a scope whose policy does not look at
+    names, it has no effect. Regions nest (``ctx.name`` is the innermost one's). Name
+    the lines that make the tensors you may want to keep, once, in the model; choose
+    what to keep with the policy, without touching the model again. Under
+    ``torch.compile`` the name is an annotation of the graph's nodes
+    (``torch.fx.traceback.annotate``), seen by context policies there too.
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope import recompute_scope
+        >>> from gradient_scope.policies import context_policy, name_region
+        >>> @context_policy
+        ... def keep_scores(ctx):
+        ...     return ctx.name == "scores"
+        >>> q = torch.randn(4, 8, requires_grad=True)
+        >>> with recompute_scope(save=keep_scores) as scope:
+        ...     k = q.t()
+        ...     with name_region("scores"):
+        ...         s = q @ k              # stored: its op ran in the region "scores"
+        ...     p = s.softmax(-1)          # recomputed
+        >>> scope.stats.ops_saved
+        1
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name_region: name must be a str, got {type(name).__name__}")
+    if torch.compiler.is_compiling():
+        import torch.fx.traceback as fx_traceback
+
+        annotate = getattr(fx_traceback, "annotate", None)  # torch >= 2.13; before, scopes run eagerly
+        if annotate is not None:
+            with annotate({NAME_KEY: name}):
+                yield
+            return
+    names: list[str] | None = getattr(_regions, "names", None)
+    if names is None:
+        names = _regions.names = []
+    names.append(name)
+    try:
+        yield
+    finally:
+        names.pop()
+
+
+def _shape(t: Any) -> torch.Size | None:
+    return t.shape if isinstance(t, torch.Tensor) else None
+
+
+class OpContext:
+    """What a :func:`context_policy` sees of one op call: where it runs and what it makes.
+
+    Attributes:
+        op: the op (an ``OpOverload`` such as ``torch.ops.aten.mm.default``).
+        name: the name of the innermost :func:`name_region` the op runs in, or None.
+
+    Read it during the call: the properties below look at the running op (the module
+    path at the stack of running modules), which is gone once the policy returns.
+    """
+
+    __slots__ = ("op", "name", "_args", "_outs", "_path")
+
+    def __init__(self, op: Any, args: Any, out: Any, name: str | None, path: str | Callable[[], str]) -> None:
+        self.op = op
+        self.name = name
+        self._args = args
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self._outs = tuple(o for o in outs if isinstance(o, torch.Tensor))
+        self._path = path
+
+    @property
+    def module_path(self) -> str:
+        """The path of the innermost module whose forward runs the op, as
+        ``named_modules()`` of the outermost running module names it
+        (``"layers.3.self_attn"``; ``""`` for the outermost module itself and outside
+        any module). Under ``torch.compile``: from the node's ``nn_module_stack``, relative
+        to the outermost module the compiled code calls."""
+        path = self._path
+        if not isinstance(path, str):
+            path = self._path = path()
+        return path
+
+    @property
+    def layer(self) -> int | None:
+        """The first number in :attr:`module_path` (``3`` in ``"model.layers.3.mlp"``): the
+        index of the layer in its ``ModuleList``; None if there is none."""
+        for part in self.module_path.split("."):
+            if part.isdigit():
+                return int(part)
+        return None
+
+    @property
+    def arg_shapes(self) -> tuple[torch.Size | None, ...]:
+        """The shape of each positional argument (None for one that is not a tensor)."""
+        return tuple(_shape(a) for a in self._args)
+
+    @property
+    def arg_dtypes(self) -> tuple[torch.dtype | None, ...]:
+        """The dtype of each positional argument (None for one that is not a tensor)."""
+        return tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in self._args)
+
+    @property
+    def out_shapes(self) -> tuple[torch.Size, ...]:
+        """The shape of each tensor the op returned."""
+        return tuple(o.shape for o in self._outs)
+
+    @property
+    def out_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtype of each tensor the op returned."""
+        return tuple(o.dtype for o in self._outs)
+
+    @property
+    def out_bytes(self) -> int:
+        """The bytes of the tensors the op returned (numel x element size, summed)."""
+        return sum(o.numel() * o.element_size() for o in self._outs)
+
+    def release(self) -> None:
+        """Drop the references to the op's tensors (after the policy returned)."""
+        self._args, self._outs = (), ()
+
+    def __repr__(self) -> str:
+        return f"OpContext(op={self.op}, name={self.name!r}, out_shapes={[list(s) for s in self.out_shapes]})"
+
+
+class ContextPolicy:
+    """A ``save=`` policy called with an :class:`OpContext` per op call (made by
+    :func:`context_policy`). Picklable when its function is."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable[[OpContext], bool]) -> None:
+        if not callable(fn):
+            raise TypeError(f"context_policy: expected a callable ctx -> bool, got {type(fn).__name__}")
+        self.fn = fn
+
+    def __call__(self, ctx: OpContext) -> bool:
+        return bool(self.fn(ctx))
+
+    @property
+    def __wrapped__(self) -> Callable[[OpContext], bool]:
+        return self.fn
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        return f"context_policy({name})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ContextPolicy) and self.fn == other.fn
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __reduce__(self) -> Any:
+        # A decorated module-level function: its name now refers to this object.
+        module, name = getattr(self.fn, "__module__", None), getattr(self.fn, "__qualname__", "")
+        if isinstance(module, str) and _by_name(module, name) is self:
+            return (_by_name, (module, name))
+        return (ContextPolicy, (self.fn,))
+
+
+def _by_name(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def context_policy(fn: Callable[[OpContext], bool]) -> ContextPolicy:
+    """Mark ``fn`` as a policy that takes an :class:`OpContext` (where and what the op is).
+
+    A plain ``save(op)`` policy is asked once per distinct op of a block and its answer
+    reused; a context policy is asked at every op call, after the op has run (it sees
+    the outputs), which costs a Python call per op of the block. The module path is
+    looked up only when the policy reads it: test the op first. Ops that write to an
+    argument are always recorded and never asked about. Under ``torch.compile`` it is
+    asked once per node of the graph, when the graph is compiled: the module path comes
+    from the node's ``nn_module_stack``, shapes from its example values (sizes of the
+    first input seen, with dynamic shapes), the name from :func:`name_region`.
+
+    Example::
+
+        >>> import torch
+        >>> import torch.nn as nn
+        >>> from gradient_scope import apply_recompute, model_stats
+        >>> from gradient_scope.policies import OpContext, context_policy, save_matmuls
+        >>> @context_policy
+        ... def big_matmuls(ctx: OpContext) -> bool:     # matmul outputs over 16 KiB
+        ...     return save_matmuls(ctx.op) and ctx.out_bytes > 16 * 1024
+        >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32)) for _ in range(2)))
+        >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), save=big_matmuls)
+        >>> model(torch.randn(64, 32)).sum().backward()   # each 64 x 256 fc1 output is stored
+        >>> model_stats(model).modules["0"].ops_saved
+        1
+    """
+    return fn if isinstance(fn, ContextPolicy) else ContextPolicy(fn)
+
+
 # ------------------------------------------------------------------ combining
 
 
@@ -300,10 +551,11 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     """Combine policies and ops: store an op's outputs if any item says so.
 
     Each item is a policy (a callable ``op -> bool``, such as
-    :func:`save_matmuls`), an op packet (``torch.ops.aten.gelu``: every
-    overload) or a single overload (``torch.ops.aten.gelu.default``). The
-    result is a policy for ``recompute_scope(save=...)``; it pickles as long as
-    its policies do (ops are pickled by name).
+    :func:`save_matmuls`, or a :func:`context_policy`), an op packet
+    (``torch.ops.aten.gelu``: every overload) or a single overload
+    (``torch.ops.aten.gelu.default``). The result is a policy for
+    ``recompute_scope(save=...)`` (a context policy if any item is one); it
+    pickles as long as its policies do (ops are pickled by name).
 
     Example::
 
@@ -321,6 +573,10 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     """
     policies: list[Callable[[Any], bool]] = []
     ops: list[Any] = []
+    contextual = [item for item in items if isinstance(item, ContextPolicy)]
+    if contextual:  # a context policy among them: the result takes an OpContext
+        rest = save_any(*(item for item in items if not isinstance(item, ContextPolicy)))
+        return ContextPolicy(_AnyContext(rest, tuple(contextual)))
     for item in items:
         if isinstance(item, (OpOverload, OpOverloadPacket)):
             ops.append(item)
@@ -338,15 +594,30 @@ def save_any(*items: Any) -> Callable[[Any], bool]:
     return _SaveAny(tuple(policies), tuple(ops))
 
 
+class _AnyContext:
+    """``save_any`` of op policies (asked with ``ctx.op``) and context policies."""
+
+    __slots__ = ("ops", "contextual")
+
+    def __init__(self, ops: Callable[[Any], bool], contextual: tuple[ContextPolicy, ...]) -> None:
+        self.ops, self.contextual = ops, contextual
+
+    def __call__(self, ctx: OpContext) -> bool:
+        return self.ops(ctx.op) or any(p(ctx) for p in self.contextual)
+
+    def __repr__(self) -> str:
+        return f"{self.ops!r} + {', '.join(map(repr, self.contextual))}"
+
+
 _OPS = (OpOverload, OpOverloadPacket)
 
 
 def as_save_policy(save: Iterable[Any] | Callable[[Any], bool] | None) -> Callable[[Any], bool] | None:
     """The ``save=`` option of a scope as a policy ``op -> bool`` (None: recompute everything).
 
-    The one place ``save=`` is interpreted: a callable is used as it is; an op, or
-    an iterable of ops (``torch.ops.aten.mm`` or ``torch.ops.aten.mm.default``),
-    becomes a picklable :func:`save_any` policy.
+    The one place ``save=`` is interpreted: a callable (a :class:`ContextPolicy` too)
+    is used as it is; an op, or an iterable of ops (``torch.ops.aten.mm`` or
+    ``torch.ops.aten.mm.default``), becomes a picklable :func:`save_any` policy.
 
     Example::
 

@@ -15,6 +15,7 @@ check it mid-test, without gc.
 
 import contextlib
 import gc
+import logging
 import math
 import weakref
 
@@ -25,6 +26,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gradient_scope import recompute_scope
+
+# torchao (the test extra, for the QLoRA test) logs at import through transformers and peft:
+# its wheel's CUDA kernels fail to load on a CPU torch, and torch 2.13 deprecates the pytree
+# registration of its Enums. Neither concerns the tests (docs/huggingface.md).
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
 
 # --------------------------------------------------------------------------------------
 # devices

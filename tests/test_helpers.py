@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import gc
 import inspect
+import logging
 import math
 import pickle
 import warnings
@@ -315,7 +316,9 @@ def test_check_fn_selects_modules():
     wrapped = {n for n, m in model.named_modules() if "forward" in vars(m)}
     assert wrapped == {"blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}
     remove_recompute(model)
-    apply_recompute(model)  # default: every module, the root included
+    with pytest.warns(UserWarning, match=r"no check_fn: GPT and every one of its \d+ submodules run in scopes") as w:
+        apply_recompute(model)  # default: every module, the root included
+    assert w[0].filename == __file__  # the warning names the user's line
     assert all("forward" in vars(m) for m in model.modules())
     remove_recompute(model)
     assert not any("forward" in vars(m) for m in model.modules())
@@ -365,6 +368,7 @@ def test_check_fn_matching_nothing_warns_and_changes_nothing(check_fn):
     assert vars(model.blocks[0].attn)["forward"].options == {}  # not updated to save=
 
 
+@pytest.mark.filterwarnings("ignore:apply_recompute. no check_fn")  # the default, on purpose
 def test_every_module_gradients_equal_plain():
     assert_same_run(train(apply_recompute), train())
 
@@ -404,7 +408,7 @@ def test_no_reference_cycle():
 
 def test_signature_and_repr():
     block = Block()
-    apply_recompute(block, save=save_matmuls)
+    apply_recompute(block, check_fn=Block, save=save_matmuls)
     assert list(inspect.signature(block.forward).parameters) == ["x"]
     assert "recompute_scope" in repr(block.forward) and "save_matmuls" in repr(block.forward)
 
@@ -422,7 +426,7 @@ def test_exception_in_forward_exits_scope():
             return h
 
     m = Boom()
-    apply_recompute(m)
+    apply_recompute(m, check_fn=Boom)
     before = global_state()
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(ValueError, match="boom"):
@@ -479,7 +483,7 @@ def test_kwargs_and_nested_outputs(kind):
         torch.manual_seed(0)
         m = Fancy()
         if apply:
-            apply_recompute(m)
+            apply_recompute(m, check_fn=lambda x: True)  # every module (the default, without its warning)
         x = torch.randn(3, 5, D, requires_grad=True)
         mask = torch.rand(3, 5, 2 * D) > 0.7
         out = m(x, 0.5, mask=mask, kind=kind)
@@ -540,10 +544,10 @@ def test_pickle_and_deepcopy(options, how):
 
 def test_shallow_copy_reapply_rebinds():
     block = Block()
-    apply_recompute(block)
+    apply_recompute(block, check_fn=Block)
     twin = copy.copy(block)
     assert vars(twin)["forward"].module is block  # documented caveat
-    apply_recompute(twin)
+    apply_recompute(twin, check_fn=Block)
     assert vars(twin)["forward"].module is twin
     assert vars(block)["forward"].module is block
     remove_recompute(twin)
@@ -682,3 +686,71 @@ def test_recompute_sequential_validation():
         recompute_sequential([torch.sin], 1, torch.randn(3), save_ops=[])
     out = recompute_sequential(nn.ModuleList([nn.Linear(3, 3), nn.ReLU()]), 2, torch.randn(2, 3))
     assert out.shape == (2, 3)
+
+
+# --------------------------------------------------------------------------------------
+# selection: check_fn as names and tuples, every_n_layers; feedback: warnings and the log
+
+
+def _scoped(model):
+    return [n for n, m in model.named_modules() if "forward" in vars(m)]
+
+
+def test_check_fn_as_class_names_and_tuples():
+    model = GPT()
+    apply_recompute(model, check_fn="Block")
+    assert _scoped(model) == ["blocks.0", "blocks.1"]
+    remove_recompute(model)
+    apply_recompute(model, check_fn=f"{Block.__module__}.{Block.__qualname__}")  # a dotted name
+    assert _scoped(model) == ["blocks.0", "blocks.1"]
+    remove_recompute(model)
+    apply_recompute(model, check_fn=("Attention", nn.LayerNorm))  # names and classes mixed
+    assert _scoped(model) == [f"blocks.{i}.{m}" for i in (0, 1) for m in ("ln1", "attn", "ln2")] + ["ln_f"]
+    remove_recompute(model)
+    with pytest.warns(UserWarning, match="matched no module of GPT; nothing was changed.*Did you mean 'Block'") as w:
+        apply_recompute(model, check_fn="Blocks")
+    assert w[0].filename == __file__ and _scoped(model) == []
+    with pytest.raises(TypeError, match="a tuple check_fn must hold classes .* or class names"):
+        apply_recompute(model, check_fn=(Block, 3))
+
+
+def test_every_n_layers_scopes_matches_0_n_2n():
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(5))
+
+    model = Deep()
+    apply_recompute(model, check_fn=Block, every_n_layers=2)
+    assert _scoped(model) == ["blocks.0", "blocks.2", "blocks.4"]
+    remove_recompute(model)
+    apply_recompute(model, check_fn=Block, every_n_layers=np_int(3))
+    assert _scoped(model) == ["blocks.0", "blocks.3"]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="every_n_layers must be a positive int"):
+            apply_recompute(model, check_fn=Block, every_n_layers=bad)
+
+
+def np_int(n):
+    import numpy as np
+
+    return np.int64(n)
+
+
+def test_helpers_log_what_they_scoped(caplog):
+    model = GPT()
+    with caplog.at_level(logging.INFO, logger="gradient_scope"):
+        apply_recompute(model, check_fn=Block, save=save_matmuls, preserve_rng_state=False)
+        apply_recompute(model, check_fn=nn.Linear)
+        seq = nn.Sequential(*(nn.Linear(4, 4) for _ in range(5)))
+        for _ in range(3):  # logged once per layout and options: it runs every forward
+            recompute_sequential(seq, segments=2, input=torch.randn(2, 4, requires_grad=True))
+    lines = [r.getMessage() for r in caplog.records if r.name == "gradient_scope"]
+    assert lines == [
+        "apply_recompute: scoped 2 modules (blocks.0, blocks.1) of GPT with save=save_matmuls, "
+        "preserve_rng_state=False",
+        "apply_recompute: scoped 9 modules (blocks.0.attn.qkv, blocks.0.attn.proj ... head) of GPT "
+        "with default options",
+        "recompute_sequential: 5 functions in 2 segments: functions 0-1 in 1 scopes of 2, the last 3 plain, "
+        "with default options",
+    ]

@@ -7,6 +7,7 @@ checkpointing re-runs each layer's Python forward in backward, so a submodule's
 forward hook fires twice per step; with scopes it fires once.
 """
 
+import logging
 import warnings
 
 import pytest
@@ -130,7 +131,8 @@ def test_hf_checkpointing_too_warns_once_and_scopes_win(order, switch):
         hf_on()
     with pytest.warns(UserWarning, match="own activation checkpointing was on") as caught:
         got = grads_after_step(model)
-    assert len([w for w in caught if "activation checkpointing" in str(w.message)]) == 1
+    [warned] = [w for w in caught if "activation checkpointing" in str(w.message)]
+    assert warned.filename == __file__  # the user's line (the model's call), not torch's
     assert not model.is_activation_checkpointing
     assert len(calls) == 3  # no layer ran twice
     assert_same(got, plain)
@@ -159,7 +161,7 @@ def test_guard_waits_for_a_training_forward():
 def test_disable_restores_exactly():
     model = make_model("llama")
     layers = layers_of(model)
-    apply_recompute(layers[1].mlp)  # the user's own scope: stays
+    apply_recompute(layers[1].mlp, check_fn=type(layers[1].mlp))  # the user's own scope: stays
     own_forward = layers[2].forward
     layers[2].forward = own_forward  # an instance attribute of the user's: put back
     before = {id(m): vars(m).get("forward") for m in model.modules()}
@@ -279,3 +281,16 @@ def test_docs_recipes_run(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     for code in blocks:
         exec(compile(code, str(page), "exec"), {"__name__": "__docs__"})
+
+
+def test_enable_logs_the_layers_it_scoped(caplog):
+    model = make_model("llama")
+    with caplog.at_level(logging.INFO, logger="gradient_scope"):
+        gs_hf.enable(model, every_n_layers=2, save=gradient_scope.save_matmuls)
+    [record] = [r for r in caplog.records if r.name == "gradient_scope"]
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "enable: scoped 2 of 3 layers (model.layers.0, model.layers.2) of LlamaForCausalLM "
+        "with every_n_layers=2, save=save_matmuls"
+    )
+    gs_hf.disable(model)

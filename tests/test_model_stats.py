@@ -131,3 +131,17 @@ def test_transformers_layers_through_gradient_checkpointing():
 def test_bad_model():
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         model_stats(lambda x: x)
+
+
+def test_per_step_counts_by_difference():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    apply_recompute(model, check_fn=nn.Tanh)
+    steps = []
+    for _ in range(3):
+        before = model_stats(model)
+        model(torch.randn(4, 8)).sum().backward()
+        steps.append(model_stats(model) - before)
+    assert steps[0] == steps[1] == steps[2]  # each step alone, while the totals grow
+    assert steps[0].replays == 2 and steps[0].tensors_packed == 3
+    assert model_stats(model).replays == 6
+    assert set(steps[0].modules) == {"1", "3"} and steps[0].modules["1"].replays == 1

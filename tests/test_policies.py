@@ -3,6 +3,7 @@ the plain program, what they keep and what they free, and saved ops never replay
 
 import math
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -288,6 +289,7 @@ POLICIES = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:gradient_scope. save=save_attention matched no op")  # manual attention
 @pytest.mark.parametrize("sdpa", [False, True], ids=["manual_attn", "sdpa"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_gradients_equal_plain(policy, sdpa):
@@ -327,6 +329,7 @@ def _check_memory(expect_alive):
     ids=["none", "save_nothing", "save_matmuls", "save_matmuls_sdpa", "save_attention_sdpa",
          "save_attention_manual", "save_any_gelu"],
 )
+@pytest.mark.filterwarnings("ignore:gradient_scope. save=save_attention matched no op")  # manual attention
 def test_what_is_kept(policy, sdpa, expect_alive):
     run_both(train_program(sdpa=sdpa, steps=1, check=_check_memory(expect_alive)), save=policy)
 
@@ -536,3 +539,38 @@ def test_sdpa_on_cpu_fused_kernel_or_math_path(dropout, attention_saved, matmuls
     for policy, saved in ((save_attention, attention_saved), (save_matmuls, matmuls_saved)):
         scopes, _ = run_both(lambda scope: program(scope, policy))
         assert stat(scopes.created[0], "ops_saved") == saved
+
+
+def test_a_built_in_policy_that_matches_nothing_warns_once(monkeypatch):
+    import gradient_scope._base.feedback as feedback
+
+    monkeypatch.setattr(feedback, "_warned", set())
+    model = Net(sdpa=False)  # attention written out: no SDPA kernel for save_attention
+
+    def run():
+        x = torch.randn(2, 5, 16)
+        model(x, lambda: recompute_scope(save=save_attention)).sum().backward()
+
+    with pytest.warns(UserWarning, match=r"save=save_attention matched no op of a block of \d+ recorded ops") as w:
+        run()
+    assert len(w) == 1 and w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # once per policy per process
+        model_sdpa = Net(sdpa=True)
+        model_sdpa(torch.randn(2, 5, 16), lambda: recompute_scope(save=save_matmuls)).sum().backward()
+
+
+def test_an_unhashable_policy_object_works():
+    class Policy:  # __eq__ without __hash__: instances do not hash
+        def __eq__(self, other):
+            return isinstance(other, Policy)
+
+        def __call__(self, op):
+            return op is aten.mm.default
+
+    w = torch.randn(4, 4, requires_grad=True)
+    with recompute_scope(save=Policy()) as scope:
+        h = (w @ w).relu()
+    h.sum().backward()
+    assert scope.stats.ops_saved == 1

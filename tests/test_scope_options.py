@@ -264,3 +264,25 @@ def test_forms_compile_fullgraph(form):
     (g,) = torch.autograd.grad(y, x)
     torch.testing.assert_close(g, gx)
     torch._dynamo.reset()
+
+
+def test_misspelled_options_name_the_valid_ones():
+    valid = "the options are budget, debug, enabled, preserve_rng_state, save"
+    misspelled = r"recompute_scope: unknown option 'presrve_rng_state' \(did you mean 'preserve_rng_state'\?\); "
+    with pytest.raises(TypeError, match=misspelled + valid):
+        recompute_scope(presrve_rng_state=False)
+    with pytest.raises(TypeError, match=r"unknown option 'sav' \(did you mean 'save'\?\)"):
+
+        @recompute(sav=[torch.ops.aten.mm])
+        def f(x):
+            return x
+
+    with pytest.raises(TypeError, match=r"unknown options 'bogus', 'enable' \(did you mean 'enabled'\?\)"):
+        recompute_scope(enable=False, bogus=1)
+    with pytest.raises(TypeError, match=r"checkpoint: unknown option 'presrve_rng_state' .*no 'presrve_rng_state'"):
+        checkpoint(nn.Linear(2, 2), torch.randn(1, 2), presrve_rng_state=False)
+
+    def takes_it(x, debugs=1.0):  # a keyword of the function itself, near an option name: passed on
+        return x * debugs
+
+    assert torch.equal(checkpoint(takes_it, torch.ones(2), debugs=2.0), torch.full((2,), 2.0))

@@ -3,6 +3,7 @@
 - ``scope`` -- ``recompute_scope`` and ``recompute``: options, opening and closing blocks
   (a budget's decision handed to the block's frame), decorator forms.
 - ``helpers`` -- ``apply_recompute``, ``remove_recompute``, ``recompute_sequential``.
+- ``selection`` -- which modules ``apply_recompute`` scopes (``check_fn``, ``every_n_layers``).
 - ``checkpoint`` -- a drop-in for ``torch.utils.checkpoint.checkpoint``.
 - ``model_stats`` -- the counters of the scopes a model's helpers ran.
 """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Callable
@@ -13,6 +15,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
 
 from .._base.errors import check_bool
+from .._base.feedback import unknown_options
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
 from .scope import counting_into, recompute_scope
@@ -63,6 +66,38 @@ def _function_name(fn: Any) -> str:
     if isinstance(owner, nn.Module):
         return f"{type(owner).__name__}.{getattr(fn, '__name__', '?')}"
     return str(getattr(fn, "__qualname__", type(fn).__name__))
+
+
+_near_option: dict[str, bool] = {}  # keyword -> whether it resembles an option of checkpoint
+
+
+def _check_keywords(function: Any, kwargs: dict[str, Any]) -> None:
+    """A keyword that resembles an option of checkpoint (``presrve_rng_state``) and that
+    ``function`` does not take is a misspelled option: raise, naming the options."""
+    suspicious = []
+    for key in kwargs:
+        near = _near_option.get(key)
+        if near is None:
+            near = bool(difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.8))
+            if len(_near_option) < 4096:
+                _near_option[key] = near
+        if near:
+            suspicious.append(key)
+    if not suspicious:
+        return
+    try:
+        params = inspect.signature(function.forward if isinstance(function, nn.Module) else function).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): the function decides
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in suspicious if k not in params or params[k].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if unknown:
+        error = unknown_options("gradient_scope.checkpoint", unknown, _OPTIONS)
+        raise TypeError(
+            f"{error} (other keyword arguments are passed to the function, "
+            f"which takes no {', '.join(map(repr, unknown))})"
+        )
 
 
 def checkpoint(
@@ -144,6 +179,8 @@ def checkpoint(
     """
     if not callable(function):
         raise TypeError(f"gradient_scope.checkpoint: function must be callable, got {type(function).__name__}")
+    if kwargs:
+        _check_keywords(function, kwargs)
     if context_fn is not noop_context_fn:
         raise ValueError(
             "gradient_scope.checkpoint: context_fn is not supported (selective checkpointing "
@@ -180,3 +217,9 @@ def checkpoint(
             counting_into(scope, stats)
     with scope:
         return function(*args, **kwargs)
+
+
+# checkpoint's own options (every keyword parameter; the rest of **kwargs goes to the function).
+_OPTIONS = tuple(
+    name for name, p in inspect.signature(checkpoint).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+)

@@ -12,9 +12,8 @@ applies again) or the instance attribute the module had.
 from __future__ import annotations
 
 import inspect
+import logging
 import operator
-import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,10 +21,12 @@ from typing import Any, TypeVar
 import torch.nn as nn
 
 from .._base.errors import Site
+from .._base.feedback import describe_options, describe_paths, logger, unknown_options
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
 from ..policies import as_save_policy
 from .scope import counting_into, recompute_scope
+from .selection import ModuleSelector, check_every_n, choose, every_module
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
 
@@ -40,12 +41,9 @@ _SCOPE_OPTIONS = frozenset(
 
 def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
     """Validate ``**scope_options`` once, up front; make ``save=`` picklable."""
-    unknown = sorted(set(options) - _SCOPE_OPTIONS)
+    unknown = set(options) - _SCOPE_OPTIONS
     if unknown:
-        raise TypeError(
-            f"{caller}: unknown recompute_scope option(s) {', '.join(map(repr, unknown))}; "
-            f"the options are {', '.join(sorted(_SCOPE_OPTIONS))}"
-        )
+        raise unknown_options(caller, unknown, _SCOPE_OPTIONS, "recompute_scope option")
     options = dict(options)
     # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
     if "save" in options:
@@ -153,40 +151,11 @@ def _module_site(path: str, module: nn.Module) -> Site:
     return (None, 0, f"{path or 'the model'} ({type(module).__name__}), scoped by apply_recompute")
 
 
-def _every_module(module: nn.Module) -> bool:
-    return True
-
-
-ModuleSelector = Callable[[nn.Module], bool] | type | tuple[type, ...] | types.UnionType
-
-
-def _selector(check_fn: Any) -> Callable[[nn.Module], bool]:
-    """``check_fn`` as a predicate. Classes are matched with ``isinstance``, never
-    called: calling a module class with a module would run its constructor."""
-    if isinstance(check_fn, (type, types.UnionType)):
-        cls = check_fn
-        return lambda m: isinstance(m, cls)
-    if isinstance(check_fn, tuple):
-        for item in check_fn:
-            if not isinstance(item, (type, types.UnionType)):
-                raise TypeError(
-                    "apply_recompute: a tuple check_fn must hold classes (matched with isinstance), "
-                    f"got an item {item!r} of type {type(item).__name__}"
-                )
-        classes = check_fn
-        return lambda m: isinstance(m, classes)
-    if not callable(check_fn):
-        raise TypeError(
-            "apply_recompute: check_fn must be a predicate module -> bool "
-            "(e.g. lambda m: isinstance(m, Block)), a module class or a tuple of classes, "
-            f"got {type(check_fn).__name__}"
-        )
-    return check_fn  # type: ignore[no-any-return]
-
-
 def apply_recompute(
     model: M,
-    check_fn: ModuleSelector = _every_module,
+    check_fn: ModuleSelector = every_module,
+    *,
+    every_n_layers: int = 1,
     **scope_options: Any,
 ) -> M:
     """Run every call of chosen submodules in its own :class:`recompute_scope`.
@@ -218,9 +187,13 @@ def apply_recompute(
     around ``model`` (nested scopes record into the outermost one): memory held
     after forward is small, but the first op of backward needs values that
     depend on the whole forward, so backward replays the whole forward at once
-    and the peak memory is about that of the plain model. Pick the repeated
-    blocks instead, so each block's activations are recomputed only while
-    backward goes through that block.
+    and the peak memory is about that of the plain model. On a model with
+    submodules it warns so. Pick the repeated blocks instead, so each block's
+    activations are recomputed only while backward goes through that block.
+
+    Each call logs one line at INFO on the ``gradient_scope`` logger: how many
+    modules got scopes, their paths and the options (``logging.basicConfig(level=
+    logging.INFO)`` shows it).
 
     Hugging Face transformers models: every decoder/encoder layer derives from
     ``transformers.modeling_layers.GradientCheckpointingLayer``, so
@@ -233,8 +206,14 @@ def apply_recompute(
         check_fn: picks the modules to wrap: a predicate
             ``check_fn(module) -> bool``, a module class, or a tuple of
             classes (matched with ``isinstance``, as FSDP's wrap policies
-            take them). When it matches no module, a ``UserWarning`` says
-            so and nothing is changed.
+            take them), or a class name string (matched against each
+            module's class name, as framework configs write it:
+            ``"LlamaDecoderLayer"``; a dotted name against
+            ``module.qualname``; a tuple may mix names and classes). When
+            it matches no module, a ``UserWarning`` says so and nothing is
+            changed.
+        every_n_layers: scope the matches 0, n, 2n, ... in ``model.modules()``
+            order (1, the default: every match).
         **scope_options: options of each scope (``save=``,
             ``preserve_rng_state=``, ``enabled=``, ``debug=``, ``budget=``); see
             :class:`recompute_scope`. ``budget`` may be an int number of bytes
@@ -259,6 +238,10 @@ def apply_recompute(
         >>> _ = apply_recompute(model, check_fn=Block, save=save_matmuls)   # or a predicate
         >>> model(torch.randn(8, 16)).sum().backward()   # block activations recomputed
         >>> _ = remove_recompute(model)                   # back to plain forwards
+        >>> _ = apply_recompute(model, check_fn="Block", every_n_layers=2)   # by class name: model[0] only
+        >>> "forward" in vars(model[0]), "forward" in vars(model[1])
+        (True, False)
+        >>> _ = remove_recompute(model)
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
@@ -268,35 +251,60 @@ def apply_recompute(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
-    select = _selector(check_fn)
+    n = check_every_n("apply_recompute", every_n_layers)
+    scope_modules(model, check_fn, n, scope_options, "apply_recompute")
+    return model
+
+
+def scope_modules(
+    model: nn.Module,
+    check_fn: Any,
+    every_n_layers: int,
+    scope_options: dict[str, Any],
+    caller: str,
+    what: str = "",
+    shown: dict[str, Any] | None = None,
+) -> list[str]:
+    """``apply_recompute``'s work, for the helpers built on it: validate the options, choose
+    the modules, give each a scoped forward, log one line (``caller``; ``what`` the modules
+    are; ``shown``: the options to name, default ``scope_options`` and ``every_n_layers``).
+    Returns the paths scoped."""
+    if shown is None:
+        shown = {**({"every_n_layers": every_n_layers} if every_n_layers != 1 else {}), **scope_options}
     budget = scope_options.get("budget")
     if budget is not None and not isinstance(budget, Budget):
         scope_options = {**scope_options, "budget": Budget(budget)}
-    options = _scope_options("apply_recompute", scope_options)
-    chosen = [(path, m) for path, m in model.named_modules(remove_duplicate=True) if select(m)]
-    if not chosen:
-        what = getattr(check_fn, "__qualname__", None) or repr(check_fn)
-        warnings.warn(
-            f"apply_recompute: check_fn ({what}) matched no module of {type(model).__name__}; "
-            "nothing was changed. Pass a predicate that is true for the modules to recompute, "
-            "or their class (e.g. check_fn=Block).",
-            UserWarning,
-            stacklevel=2,
-        )
-        return model
+    options = _scope_options(caller, scope_options)
+    chosen = choose(model, check_fn, every_n_layers)
     for path, module in chosen:
-        current = module.__dict__.get("forward")
-        site = _module_site(path, module)
-        if isinstance(current, _ScopedForward):
-            if current._module() is module:
-                current.options, current.site = dict(options), site
-                current.reset_stats()
-                continue
-            original = current.original  # shared by a shallow copy of another module
-        else:
-            original = current
-        module.__dict__["forward"] = _ScopedForward(module, original, dict(options), site)
-    return model
+        _install(path, module, options)
+    if chosen:
+        paths = [p for p, _ in chosen]
+        logger.info(
+            "%s: scoped %d %s (%s) of %s with %s",
+            caller,
+            len(paths),
+            what or ("module" if len(paths) == 1 else "modules"),
+            describe_paths(paths),
+            type(model).__name__,
+            describe_options(shown),
+        )
+    return [p for p, _ in chosen]
+
+
+def _install(path: str, module: nn.Module, options: dict[str, Any]) -> None:
+    """Give ``module`` a scoped forward with ``options`` (a fresh copy of them)."""
+    current = module.__dict__.get("forward")
+    site = _module_site(path, module)
+    if isinstance(current, _ScopedForward):
+        if current._module() is module:
+            current.options, current.site = dict(options), site
+            current.reset_stats()
+            return
+        original = current.original  # shared by a shallow copy of another module
+    else:
+        original = current
+    module.__dict__["forward"] = _ScopedForward(module, original, dict(options), site)
 
 
 def remove_recompute(model: M) -> M:
@@ -390,6 +398,7 @@ def recompute_sequential(functions: Any, segments: int, input: Any, **scope_opti
     segments = count
     options = _scope_options("recompute_sequential", scope_options)
     size = n // segments
+    _log_sequential(n, segments, size, scope_options)
     x = input
     end = 0
     for s in range(segments - 1):
@@ -400,3 +409,28 @@ def recompute_sequential(functions: Any, segments: int, input: Any, **scope_opti
     for f in funcs[end:]:
         x = f(x)
     return x
+
+
+_logged_sequential: set[tuple[int, int, str]] = set()
+
+
+def _log_sequential(n: int, segments: int, size: int, options: dict[str, Any]) -> None:
+    """One INFO line per distinct layout and options (it runs every forward: not every call)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    described = describe_options(options)
+    key = (n, segments, described)
+    if key in _logged_sequential:
+        return
+    if len(_logged_sequential) < 1024:
+        _logged_sequential.add(key)
+    scoped = size * (segments - 1)
+    layout = f"functions 0-{scoped - 1} in {segments - 1} scopes of {size}, " if scoped else ""
+    logger.info(
+        "recompute_sequential: %d functions in %d segments: %sthe last %d plain, with %s",
+        n,
+        segments,
+        layout,
+        n - scoped,
+        described,
+    )

@@ -38,10 +38,41 @@ class ModelStats(ScopeStats):
     #: module path (from the model; ``""`` for the model itself) -> its scopes' counters
     modules: dict[str, ScopeStats] = field(default_factory=dict)
 
+    def __sub__(self, before: ModelStats) -> ModelStats:
+        """The counts since ``before`` (an earlier ``model_stats(model)`` of the same model):
+        per step, ``after - before``; modules that did not change are left out.
 
-def _add(into: ScopeStats, stats: ScopeStats) -> None:
+        Example::
+
+            >>> import torch
+            >>> import torch.nn as nn
+            >>> from gradient_scope import apply_recompute, model_stats
+            >>> model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            >>> _ = apply_recompute(model, check_fn=nn.Tanh)
+            >>> before = model_stats(model)
+            >>> model(torch.randn(4, 8)).sum().backward()
+            >>> step = model_stats(model) - before
+            >>> step.replays, step.modules["1"].tensors_packed
+            (1, 1)
+        """
+        if not isinstance(before, ModelStats):
+            return NotImplemented
+        out = ModelStats()
+        _add(out, self)
+        _add(out, before, -1)
+        for name, stats in self.modules.items():
+            diff = ScopeStats()
+            _add(diff, stats)
+            if name in before.modules:
+                _add(diff, before.modules[name], -1)
+            if diff != ScopeStats():
+                out.modules[name] = diff
+        return out
+
+
+def _add(into: ScopeStats, stats: ScopeStats, sign: int = 1) -> None:
     for name in _COUNTERS:
-        setattr(into, name, getattr(into, name) + getattr(stats, name))
+        setattr(into, name, getattr(into, name) + sign * getattr(stats, name))
 
 
 def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
@@ -54,6 +85,13 @@ def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
     counters keep counting through backward (``replays``, ``ops_replayed``).
     Reading them costs nothing while the model runs: the scopes of one module
     count into one shared :class:`ScopeStats`.
+
+    The counts accumulate over every step since ``apply_recompute`` or the last
+    reset. Per step: ``model_stats(model, reset=True)`` after each backward, or
+    ``after - before`` of two readings (:meth:`ModelStats.__sub__`), which
+    leaves the counts alone. ``replays`` counts recomputation passes, not
+    layers: a backward may replay a block in more than one pass, when it needs
+    the block's values at two moments (see the docs' Debugging page).
 
     Args:
         model: the model; its submodules are named by their path from it.

@@ -15,7 +15,8 @@ from typing import Any, TypeVar, overload
 import torch
 
 from .._base import torch_compat as _torch_compat
-from .._base.errors import Site, check_bool
+from .._base.errors import Site, check_bool, where
+from .._base.feedback import unknown_options, warn_once
 from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
@@ -25,7 +26,7 @@ from .._record.entry import OpenBlock
 from .._record.types import BlockRecord, Frame
 from .._restore.handles import ReplayState
 from .._save import interception as _interception
-from ..policies import as_save_policy
+from ..policies import as_save_policy, is_built_in
 
 __all__ = ["recompute_scope", "recompute", "set_traced_block"]
 
@@ -91,7 +92,12 @@ class recompute_scope:
             writes that bypass them: ``.data``, NumPy, ``untyped_storage()``,
             fused optimizer steps, a storage ``resize_`` round trip, and random
             ops with ``preserve_rng_state=False`` (see :class:`RecomputeError`).
-            On CUDA values are compared within float tolerance.
+            On CUDA values are compared within float tolerance. It costs memory:
+            the scope keeps a copy of every tensor the block creates until
+            backward has run -- on the quickstart's GPT, memory held after
+            forward is 2.7x the plain model's with the quickstart's scopes and
+            4.1x with a scope per block (``python -m benchmarks.caveats``).
+            For tracking down a suspected mismatch, not for training.
         budget: a :class:`Budget` shared by several scopes: the library decides
             what the blocks store to stay within it (not with ``save=``; ignored
             in a scope nested in another one and inside compiled code).
@@ -120,6 +126,9 @@ class recompute_scope:
     """
 
     def __new__(cls, *args: Any, **options: Any) -> Any:
+        for name in options:
+            if name not in _OPTION_NAMES:
+                raise unknown_options("recompute_scope", set(options) - _OPTION_NAMES, _OPTION_NAMES)
         if args:  # the bare decorator, ``@recompute_scope`` (as ``@torch.no_grad``)
             if len(args) > 1 or options or not callable(args[0]):
                 raise TypeError(
@@ -216,7 +225,7 @@ class recompute_scope:
             record = BlockRecord()
             state = ReplayState(record)
             if budget is not None:
-                self._budget_block = budget.open_block(site, record, state)
+                self._budget_block = budget._open_block(site, record, state)
         elif budget is not None:
             _warn_budget_nested()
         frame = self._frame = Frame(
@@ -271,6 +280,7 @@ class recompute_scope:
             clean = _recorder.close_block(block, aborted)
         finally:
             _interception.sweep()
+        _check_matched(block.frame, len(block.record.ops), aborted)
         if self._budget_block is not None:
             plan, self._budget_block = self._budget_block, None
             plan.close(aborted)
@@ -291,6 +301,7 @@ _init_signature = inspect.signature(recompute_scope.__init__)
 recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-defined]
     parameters=list(_init_signature.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
+_OPTION_NAMES = frozenset(list(_init_signature.parameters)[1:])
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:
@@ -316,6 +327,24 @@ def _check_budget(budget: Any, save: Any) -> Budget:
 
 
 _warned: set[str] = set()
+
+
+def _check_matched(frame: Frame, recorded: int, aborted: bool) -> None:
+    """A built-in policy (``save_matmuls``, ``save_attention``) that kept no op of a block
+    that recorded some warns, once per policy per process: the model does not run the
+    ops it names (e.g. its attention is no SDPA kernel), so everything is recomputed."""
+    policy = frame.save
+    if not is_built_in(policy) or frame.kept_any or aborted or not recorded:
+        return
+    name = getattr(policy, "__name__", repr(policy))
+    warn_once(
+        ("policy matched nothing", name),
+        f"gradient_scope: save={name} matched no op of a block of {recorded} recorded ops: nothing is "
+        f"stored, everything is recomputed. The model may not run the ops {name} names (e.g. attention "
+        "that is not an F.scaled_dot_product_attention kernel). Check the ops with saved_tensors_report(), "
+        "then name them (save=[torch.ops.aten.bmm]) or use a context policy "
+        f"(gradient_scope.policies.context_policy). Warned once per policy. {where(frame.site)}",
+    )
 
 
 def _warn_budget_nested() -> None:

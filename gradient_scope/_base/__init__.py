@@ -7,7 +7,8 @@
   ``subclass`` -- where a wrapper subclass's data is.
 - ``stats`` -- ``ScopeStats``; ``errors`` -- ``RecomputeError``, where a block was entered,
   the causes messages name, the internal-error check; ``options`` -- option values and the
-  process-wide off switch (``disabled()``, ``GRADIENT_SCOPE_DISABLE``).
+  process-wide off switch (``disabled()``, ``GRADIENT_SCOPE_DISABLE``); ``feedback`` -- the
+  ``gradient_scope`` logger, warnings that name the user's line, misspelled-option errors.
 
 No rule family lives here.
 """

@@ -387,7 +387,7 @@ class Budget:
         if self._step and not any(bp.needed() for bp in self._step):
             self._end_step()
 
-    def open_block(self, site: Hashable, record: BlockRecord, state: Any) -> _BlockPlan:
+    def _open_block(self, site: Hashable, record: BlockRecord, state: Any) -> _BlockPlan:
         """The decision for a block entered at ``site`` (M1..M3)."""
         self._settle()
         n = self._occurrences.get(site, 0)

@@ -7,6 +7,7 @@
 - ``signature`` -- a record's structure as one key: what replay shares its plans by and a
   budget caches its plans by.
 - ``registry`` -- which live tensors blocks made (tensor id -> ``Var``), per-thread ledgers.
+- ``context`` -- where an op runs (the running module's path), for context policies.
 
-Imports only ``_base``; the stages above reach it downward.
+Imports only ``_base`` and ``policies``; the stages above reach it downward.
 """

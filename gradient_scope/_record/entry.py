@@ -54,7 +54,9 @@ from .._base.errors import internal_error
 from .._base.ops import INPLACE, NEW, VIEW, OpFacts
 from .._base.subclass import data_address, data_tensors, is_wrapper
 from .._base.torch_compat import current_graph_task, default_dtype, numeric_context
+from ..policies import OpContext, region_name
 from . import registry as _registry
+from .context import running_module_path
 from .registry import _LIVE, Ledger, register
 from .types import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
 
@@ -222,6 +224,9 @@ class OpenBlock:
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
+            self.frames[0].kept_any = True
+        elif kept is None:  # a context policy: asked once the op has run
+            return _decide_after(self, func, f, args, kwargs)
         if kept or f.never_replay:
             pre = _before_writes(self, f, args, kwargs) if f.writes else None
             out = func(*args, **kwargs)  # R2: not recorded
@@ -230,6 +235,7 @@ class OpenBlock:
             return out
         try:
             rargs = self.refs(args)
+            rkwargs = _ref_kwargs(self, kwargs) if kwargs else NO_KWARGS
         except Unrecordable:
             return run_unrecorded(self, func, f, args, kwargs)
         if (
@@ -240,23 +246,12 @@ class OpenBlock:
             and not is_wrapper(args[0])
         ):
             rargs[0] = MetaArg(args[0])
-        rkwargs = NO_KWARGS
-        if kwargs:
-            rkwargs = {}
-            try:
-                for k, a in kwargs.items():
-                    if isinstance(a, Tensor):
-                        a = self.ref(a)
-                    elif (type(a) is list or type(a) is tuple) and has_tensor(a):
-                        a = [self.ref(x) if isinstance(x, Tensor) else x for x in a]
-                    rkwargs[k] = a
-            except Unrecordable:
-                return run_unrecorded(self, func, f, args, kwargs)
         rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
         pre = _before_writes(self, f, args, kwargs) if f.writes else None
 
         out = f.kernel(*args, **kwargs)  # func(...) without OpOverload.__call__'s Python frame
 
+        # As _append does (inline here: no extra call on the path of every policy-free op).
         ops = self.record.ops
         index = len(ops)
         for root, t in pre or ():
@@ -280,6 +275,76 @@ class OpenBlock:
         if not root.writes:
             root.writes = []
         root.writes.append((index, version))
+
+
+def _ref_kwargs(block: OpenBlock, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The recorded form of keyword arguments (raises Unrecordable, R8)."""
+    rkwargs = {}
+    for k, a in kwargs.items():
+        if isinstance(a, Tensor):
+            a = block.ref(a)
+        elif (type(a) is list or type(a) is tuple) and has_tensor(a):
+            a = [block.ref(x) if isinstance(x, Tensor) else x for x in a]
+        rkwargs[k] = a
+    return rkwargs
+
+
+def _append(
+    block: OpenBlock,
+    func: Any,
+    f: OpFacts,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rargs: list[Any],
+    rkwargs: dict[str, Any],
+    rng: Any,
+    out: Any,
+) -> None:
+    """Append the record of an op that has run (its new tensors become Vars)."""
+    ops = block.record.ops
+    index = len(ops)
+    if isinstance(out, Tensor):
+        outs: tuple[Var | None, ...] = (_new_var(block, out, f, 0, args, kwargs, rargs, rkwargs, index),)
+    elif isinstance(out, (tuple, list)):
+        outs = tuple(
+            _new_var(block, o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
+            for i, o in enumerate(out)
+        )
+    else:
+        outs = ()
+    if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
+        rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
+    ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
+
+
+def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run an op of a frame with a context policy, then ask the policy (it sees the
+    outputs): kept, it is not recorded (R2); else it is recorded as run_and_record
+    does. Only ops that write to no argument come here."""
+    frame = block.frame
+    if f.never_replay:
+        return func(*args, **kwargs)  # R2
+    rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
+    out = f.kernel(*args, **kwargs)
+    ctx = OpContext(func, args, out, region_name(), running_module_path)
+    try:
+        kept = frame.save(ctx)  # type: ignore[misc]
+    finally:
+        ctx.release()
+    if kept:
+        frame.stats.ops_saved += 1
+        block.frames[0].kept_any = True
+        return out
+    try:
+        rargs = block.refs(args)
+        rkwargs = _ref_kwargs(block, kwargs) if kwargs else NO_KWARGS
+    except Unrecordable:
+        return out  # R8: its outputs are ordinary tensors (it writes nothing)
+    first = args[0] if args else None
+    if f.meta_only and isinstance(first, Tensor) and first.layout == torch.strided and not is_wrapper(first):
+        rargs[0] = MetaArg(first)
+    _append(block, func, f, args, kwargs, rargs, rkwargs, rng, out)
+    return out
 
 
 def _new_var(

@@ -32,6 +32,7 @@ import torch
 from .._base.stats import ScopeStats
 from .._base.subclass import own_storage
 from .._base.torch_compat import NumericContext, alias_in_dispatch, neg_view, set_version
+from ..policies import ContextPolicy
 from .registry import Entry, Ledger, tensor_of
 
 __all__ = [
@@ -273,6 +274,8 @@ class Frame:
         "site",
         "_kept",
         "store",
+        "contextual",
+        "kept_any",
     )
 
     def __init__(
@@ -299,11 +302,18 @@ class Frame:
         self.ledger: Ledger | None = None
         self.site: Any = None  # where the scope was entered (``_base.errors.Site``), for errors
         self._kept: dict[Any, bool] = {}
+        # The policy takes an OpContext (``policies.ContextPolicy``): asked per op call,
+        # after the op has run (``_record.entry``), never through ``keeps``.
+        self.contextual = isinstance(save, ContextPolicy)
+        self.kept_any = False  # on a block's outermost frame: some frame of the block kept an op
 
-    def keeps(self, func: Any) -> bool:
-        """Whether the ``save=`` policy stores ``func``'s outputs (asked once per op)."""
+    def keeps(self, func: Any) -> bool | None:
+        """Whether the ``save=`` policy stores ``func``'s outputs (asked once per op);
+        None for a context policy (asked per call, once the op has run)."""
         kept = self._kept.get(func)
         if kept is None:
+            if self.contextual:
+                return None
             kept = self._kept[func] = bool(self.save(func))  # type: ignore[misc]
         return kept
 

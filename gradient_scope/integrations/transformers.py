@@ -20,7 +20,6 @@ win**. It warns again only if something turns it on again.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any
 
@@ -35,7 +34,9 @@ except ImportError as e:  # pragma: no cover (transformers is in the test extra)
         "gradient_scope.integrations.transformers needs Hugging Face transformers (pip install 'transformers>=5.20')"
     ) from e
 
-from .._api.helpers import apply_recompute
+from .._api.helpers import scope_modules
+from .._api.selection import check_every_n
+from .._base.feedback import warn_user
 
 __all__ = ["enable", "disable"]
 
@@ -63,15 +64,13 @@ class _Guard:
                 "can turn off, and scopes run on the same layers: each layer would be recomputed twice. "
                 "Turn it off (activation_checkpointing_disable()) or call disable(model)."
             )
-        warnings.warn(
+        warn_user(
             "gradient_scope.integrations.transformers: the model's own activation checkpointing was on "
             "as well as scopes (activation_checkpointing_enable() / gradient_checkpointing_enable(), e.g. "
             "Trainer with activation_checkpointing=True or gradient_checkpointing=True), which would "
             "recompute each layer twice. It has been turned off with activation_checkpointing_disable(): "
             "the layers run in scopes only. Leave activation_checkpointing off in the TrainingArguments, or "
-            "call gradient_scope.integrations.transformers.disable(model) to use transformers' instead.",
-            UserWarning,
-            stacklevel=2,
+            "call gradient_scope.integrations.transformers.disable(model) to use transformers' instead."
         )
 
 
@@ -118,6 +117,10 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     this call; ``Trainer(activation_checkpointing=True)`` turns it on when
     training starts), the next training forward turns it off through the
     model's ``activation_checkpointing_disable()`` and warns once: scopes win.
+    The warning names the user's line (the model's call, or ``trainer.train()``).
+
+    Logs one line at INFO on the ``gradient_scope`` logger: the layers scoped
+    (their paths) and the options.
 
     Args:
         model: the model, changed in place.
@@ -146,8 +149,7 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: model must be a torch.nn.Module, got {type(model).__name__}")
-    if type(every_n_layers) is not int or every_n_layers < 1:
-        raise ValueError(f"enable: every_n_layers must be a positive int, got {every_n_layers!r}")
+    every_n_layers = check_every_n("enable", every_n_layers)
     layers: list[nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(
@@ -161,7 +163,9 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     ids = {id(m) for m in chosen}
     before = [(m, m.__dict__.get("forward", _ABSENT)) for m in chosen]
     # Validates the options (unknown or invalid ones raise) before changing anything.
-    apply_recompute(model, check_fn=lambda m: id(m) in ids, **scope_options)
+    shown = {"every_n_layers": every_n_layers, **scope_options}
+    what = f"of {len(layers)} layers"
+    scope_modules(model, lambda m: id(m) in ids, 1, scope_options, "enable", what, shown)
     handle = model.register_forward_pre_hook(_Guard(layers))
     _ENABLED[model] = _Enabled(before, handle)
     return model

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
+import re
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,10 +63,11 @@ import torch._dynamo
 import torch._functorch.config as _functorch_config
 
 from ..._base.errors import check_bool
+from ..._base.feedback import warn_once
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats
 from ..._base.torch_compat import OpOverload, op_schema
-from ...policies import as_save_policy
+from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
 from .inputs import pin_reads_of_written_inputs
 from .versions import guard_input_versions
 
@@ -366,6 +368,72 @@ def _nbytes(val: torch.Tensor) -> int:
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
+def _decide(node: torch.fx.Node, scope_id: int, policy: Any, decisions: dict[tuple[int, Any], bool]) -> bool:
+    """Whether ``policy`` keeps ``node``'s outputs: an op policy once per op of a scope, a
+    context policy once per node (with what the node's meta says of it)."""
+    if isinstance(policy, ContextPolicy):
+        ctx = OpContext(node.target, _meta_args(node.args), _static(node.meta.get("val")), _name(node), _path(node))
+        save = policy(ctx)
+        ctx.release()
+        decisions[(scope_id, None)] = decisions.get((scope_id, None), False) or save
+        return save
+    key = (scope_id, node.target)
+    found = decisions.get(key)
+    if found is None:
+        found = decisions[key] = bool(policy(node.target))
+    return found
+
+
+def _static(val: Any) -> Any:
+    """A node's example value with concrete sizes (a symbolic size: the size it was traced
+    with), so that a policy can compare sizes without adding guards."""
+    if isinstance(val, (tuple, list)):
+        return tuple(_static(v) for v in val)
+    if not isinstance(val, torch.Tensor) or all(isinstance(d, int) for d in val.shape):
+        return val
+    hinted = [d if isinstance(d, int) else (d.node.hint or 0) for d in val.shape]
+    return torch.empty(hinted, dtype=val.dtype, device="meta")
+
+
+def _meta_args(args: Any) -> tuple[Any, ...]:
+    return tuple(_static(a.meta.get("val")) if isinstance(a, torch.fx.Node) else a for a in args)
+
+
+def _name(node: torch.fx.Node) -> str | None:
+    custom = node.meta.get("custom")
+    return custom.get(NAME_KEY) if isinstance(custom, dict) else None
+
+
+def _path(node: torch.fx.Node) -> str:
+    """The module path of a traced op from its ``nn_module_stack``: the innermost entry
+    (``"L['self'].layers.0.fc"``) without its first step, the variable the compiled code
+    read the module from (the compiled module, or a global), as eager names it."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    inner = str(list(stack.values())[-1][0])
+    path = re.sub(r"\['([^']*)'\]", r".\1", re.sub(r"\[(\d+)\]", r".\1", inner))
+    # ``_modules`` steps, and the module that apply_recompute's forward refers to weakly.
+    parts = path.replace("._modules.", ".").replace(".forward._module()", "").split(".")
+    return ".".join(parts[2:]) if parts[0] in ("L", "G") else ".".join(parts[1:])
+
+
+def _check_matched(tagged: list[tuple[torch.fx.Node, _Entry]], decisions: dict[tuple[int, Any], bool]) -> None:
+    """A built-in policy that kept no node of a scope warns, once per policy (as in eager)."""
+    scopes = {id(entry): entry for _, entry in tagged if is_built_in(entry.policy)}
+    for entry in scopes.values():
+        ids = {sid for sid, e in _ENTRIES.items() if e is entry}
+        if not any(save for (sid, _), save in decisions.items() if sid in ids):
+            name = getattr(entry.policy, "__name__", repr(entry.policy))
+            warn_once(
+                ("policy matched nothing", name),
+                f"gradient_scope: save={name} matched no op of a compiled scope: nothing is stored, "
+                f"everything is recomputed. The model may not run the ops {name} names (e.g. attention "
+                "that is not an F.scaled_dot_product_attention kernel); name them (save=[...]) or use a "
+                "context policy (gradient_scope.policies.context_policy). Warned once per policy.",
+            )
+
+
 def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
     """Mark the scopes' forward nodes MUST_RECOMPUTE / MUST_SAVE for the partitioner."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -386,13 +454,11 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
             continue
         save = False
         if entry.policy is not None and isinstance(node.target, OpOverload):
-            key = (scope_id, node.target)
-            save = decisions.get(key)  # type: ignore[assignment]
-            if save is None:
-                save = decisions[key] = bool(entry.policy(node.target))
+            save = _decide(node, scope_id, entry.policy, decisions)
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = region
         tagged.append((node, entry))
+    _check_matched(tagged, decisions)
     # getitem of a multi-output op follows its op (a tuple itself cannot be saved).
     for node, _ in tagged:
         if node.target is not operator.getitem:
