@@ -15,7 +15,7 @@ from torch.utils.checkpoint import noop_context_fn
 from .._base.errors import check_bool
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
-from .scope import counting_into, recompute_scope
+from .scope import counting_into, recompute_scope, run_in_scope
 
 __all__ = ["checkpoint", "checkpoint_stats", "reset_checkpoint_stats"]
 
@@ -178,5 +178,4 @@ def checkpoint(
             if stats is None:
                 stats = _stats[module] = ScopeStats()
             counting_into(scope, stats)
-    with scope:
-        return function(*args, **kwargs)
+    return run_in_scope(scope, function, args, kwargs)
