@@ -74,7 +74,8 @@ def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
         return fn(*args, **kwargs)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's root folder: a frame in any of its rooms is the library's, not the user's.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _caller_site() -> Site:

@@ -63,6 +63,7 @@ __all__ = [
     "resume_dynamo_compile",
     "in_compiled_code",
     "is_dynamo_error",
+    "is_recompile_limit",
     "global_module_hooks_active",
     "any_mode_active",
     "is_higher_order_op",
@@ -294,6 +295,12 @@ def in_compiled_code() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def is_recompile_limit(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo's refusal to compile a function again past its recompile limit."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(e, exc.FailOnRecompileLimitHit)
 
 
 def is_dynamo_error(e: BaseException) -> bool:

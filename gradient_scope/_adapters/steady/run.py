@@ -20,13 +20,19 @@ D1. Only a function-form scope, entered outside any open block and outside
     ``GRADIENT_SCOPE_FAST`` allows it: ``1`` always, ``0`` never, unset when an
     argument of the function is a CUDA tensor (where host time is the bottleneck;
     on CPU the first call's compile costs more than it saves).
-D2. A function that dynamo cannot capture whole (a graph break, a recompile limit)
-    or runs without our graph is recorded as usual from then on, for the life of
-    the process; the error is logged (logger ``gradient_scope``, DEBUG).
+D2. A call that dynamo cannot capture whole runs recorded, as any block: nothing
+    of it ran before dynamo gave up. A function that failed twice (a graph break),
+    that dynamo runs without our graph, or whose graph holds a nested scope (T4)
+    is recorded from then on, for the life of the process (logged: logger
+    ``gradient_scope``, DEBUG); past dynamo's recompile limit, calls whose graph
+    dynamo has keep their steady state and the others are recorded.
 D3. The saves of a steady run go to its sequencer (``_save.pack`` S5), which takes
-    the n-th save to be the template's n-th (T2) and checks its shape, dtype and
-    version: a mismatch, or another number of saves, raises ``RecomputeError``
-    (never a silent wrong gradient) and retires the template.
+    the n-th save to be the template's n-th (T2) and checks its shape and dtype: a
+    mismatch, or another number of saves, raises ``RecomputeError`` (never a silent
+    wrong gradient) and retires the template. (Versions are not compared: a custom
+    op that fills its output in place bumps the counter only without a dispatch mode.
+    A handle of a tensor that dies in the run carries the template's version, which
+    its recorded writes are counted in.)
 D4. The random states a run's random ops draw are read where the template says
     (T3), and bound into the run's record with its Inputs, its output Vars (made
     when the tensor is first saved or when the graph returns) and its signature:
@@ -54,6 +60,7 @@ from ..._base.torch_compat import (
     global_module_hooks_active,
     is_dynamo_error,
     is_higher_order_op,
+    is_recompile_limit,
 )
 from ..._record import recorder as _recorder
 from ..._record.registry import _LIVE, lookup, register
@@ -135,22 +142,38 @@ def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         req = _Request(scope, block, fn)
         prior = getattr(_tls, "request", None)
         _tls.request = req
+        raised = False
         try:
             with _recorder.suspended():
                 out = compiled(*head, *args, **kwargs)
         except Exception as e:
             if req.entered:
                 raise
+            raised = True  # nothing ran (D2): the function runs recorded (and raises its own error)
             if is_dynamo_error(e):
-                _give_up(fn, e)
-            out = None  # nothing ran (D2): the function runs recorded, and raises its own error
+                _failed_once(fn, e)
         finally:
             _tls.request = prior
-        if not req.entered:  # D2: dynamo did not run our graph (nothing ran, or ran unrecorded)
-            if out is None:
-                return fn(*args, **kwargs)
+        if raised:
+            return fn(*args, **kwargs)
+        if not req.entered:  # D2: dynamo ran it without our graph (no op, or a skipped frame)
             _give_up(fn, "dynamo ran it without our graph")
         return out
+
+
+#: D2: how often dynamo could not capture a function (a capture is retried: a break may
+#: depend on the arguments); at ``_RETRIES`` it is recorded from then on.
+_failures: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_RETRIES = 2
+
+
+def _failed_once(fn: Callable[..., Any], e: BaseException) -> None:
+    if is_recompile_limit(e):
+        return  # the graphs dynamo has keep running; this call is recorded
+    func = getattr(fn, "__func__", fn)
+    n = _failures[func] = _failures.get(func, 0) + 1
+    if n >= _RETRIES:
+        _give_up(fn, e)
 
 
 def _give_up(fn: Callable[..., Any], why: object) -> None:
@@ -302,10 +325,10 @@ class _Sequencer:
         if n >= len(saves):
             self._diverged(f"save {n + 1} of a run whose template saves {len(saves)} tensors")
         p = saves[n]
-        if t.shape != p.shape or t.dtype != p.dtype or (p.version >= 0 and t._version != p.version):
+        if t.shape != p.shape or t.dtype != p.dtype:
             self._diverged(
-                f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}) at version {t._version}, "
-                f"the template's a {list(p.shape)} ({p.dtype}) at version {p.version}"
+                f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}), the template's a "
+                f"{list(p.shape)} ({p.dtype})"
             )
         if p.kind == OTHER:
             out = pack_as_usual(below, serial, t)
@@ -320,15 +343,18 @@ class _Sequencer:
 
     def _block_save(self, p: Save, t: Tensor) -> Any:
         var: Var = p.var  # type: ignore[assignment]
+        version = p.version  # in the template's count, as its writes are (P2)
         if id(var) in self.tpl.output_ids:
             var = self._own(var, t if p.view is None or t._base is None else t._base)
+            if not var.root.writes:  # D4: an output's own count (see ``_own``)
+                version = t._version
         frame = self.frame
         if frame.store is not None and frame.store(var, t):  # S4
             stored = Stored(t, True)
             if p.view is None:
                 self.state.note_stored(var, stored.t)
             return stored
-        h = self.state.new_handle(var, p.version, p.view, None, p.itself)
+        h = self.state.new_handle(var, version, p.view, None, p.itself)
         stats = frame.stats
         stats.tensors_packed += 1
         stats.bytes_packed += t.numel() * t.element_size()
@@ -344,7 +370,10 @@ class _Sequencer:
         root = tv.base
         if type(root) is Var and id(root) in self.tpl.output_ids:
             root = self._own(root, t._base if t._base is not None else t)
-        var = new_var(t, tv.op, self.frame, root, tv.version)
+        # Its version: the template's where its group has recorded writes (P2 compares
+        # them), else the tensor's own -- a custom op whose kernel fills its output in
+        # place bumps the output's counter when no dispatch mode is on, not under one.
+        var = new_var(t, tv.op, self.frame, root, tv.version if tv.root.writes else t._version)
         if tv.writes:
             var.writes = tv.writes
         register(var)

@@ -70,7 +70,7 @@ class Save(NamedTuple):
     var: Var | None  # the template's Var of the tensor (or of the view's base)
     view: ViewSpec | None
     itself: bool  # autograd keeps the tensor itself (``_restore.handles.Handle.itself``)
-    version: int  # checked at every run; -1: not checked (an outside tensor's counter)
+    version: int  # at the save, in the template's count (-1: an outside tensor's counter)
     shape: torch.Size
     dtype: torch.dtype
 
