@@ -289,6 +289,45 @@ def test_two_random_draws_between_saves_keep_the_block_recorded(fast):
     assert not fast
 
 
+def test_outputs_a_save_policy_keeps_are_taken_from_the_graph(fast, monkeypatch):
+    """T6: matmul outputs save= keeps are no graph arguments; later runs take them from
+    the graph's values (F.linear on 3-D input returns a view of the kept addmm/mm)."""
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    seen = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("GRADIENT_SCOPE_FAST", setting)
+        plain, scoped = _model(3), _model(3)
+        apply_recompute(scoped, check_fn=Block, save=gradient_scope.save_matmuls)
+        for seed in range(4):
+            assert _same(_step(plain, x, seed), _step(scoped, x, seed)), (setting, seed)
+        seen[setting] = gradient_scope.model_stats(scoped)
+    assert seen["0"] == seen["1"] and seen["1"].ops_saved > 0
+    assert len(fast) == 10  # run 1 records the template, run 2 finds the kept values' nodes
+
+
+def test_a_kept_output_no_node_holds_keeps_the_block_recorded(fast):
+    """T6: SDPA's math path (CPU, dropout) keeps its inner bmm out of every node's value."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    @recompute(save=gradient_scope.save_matmuls)
+    def attention(h):
+        q = (h @ w).view(2, 2, 4, 8)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+
+    x = torch.randn(4, 4, 8, requires_grad=True)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        attention(x).sum().backward()
+        got = w.grad.clone()
+        w.grad = None
+        torch.manual_seed(seed)
+        q = (x @ w).view(2, 2, 4, 8)
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).sum().backward()
+        assert torch.equal(w.grad, got)
+        w.grad = None
+    assert not fast
+
+
 def test_a_save_policy_keeping_a_random_op_is_checked(fast):
     """An op a save= policy keeps is not recorded; its draw shifts the generator state
     between observations (T3): the template is refused and the block stays correct."""

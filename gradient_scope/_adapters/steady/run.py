@@ -64,10 +64,11 @@ from ..._base.torch_compat import (
 )
 from ..._record import recorder as _recorder
 from ..._record.registry import _LIVE, lookup, register
-from ..._record.signature import Slots
+from ..._record.signature import Slots, signature
 from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
 from ..._restore.handles import ReplayState
 from ..._save.pack import Foreign, Stored, may_be_new_output, notify_listeners, pack_as_usual, sequencing
+from .capture import NodeValues, locate, take, with_extra_outputs
 from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
 
 __all__ = ["run"]
@@ -217,7 +218,29 @@ class _Graph:
         if tpl is _RETIRED or tpl.context != req.block.context:  # T5
             with _recorder.reinstated():
                 return self.gm(*args)
+        if tpl.captured and tpl.capture is None:
+            return self._locate(req, tpl, list(args))
         return _steady(self, tpl, req, list(args))
+
+    def _locate(self, req: _Request, tpl: Template, args: list[Any]) -> Any:
+        """T6: a recorded run node by node, which finds the graph nodes whose values hold
+        the outside tensors the block makes itself."""
+        block = req.block
+        values = NodeValues(self.gm)
+        with _recorder.reinstated():
+            out = values.run(*args)
+        block.settle()
+        key, slots = signature(block.record)
+        found = None
+        held = [slots.refs[tpl.input_slots[k]] for k in tpl.captured]
+        if key == tpl.key and all(type(r) is Input for r in held):
+            found = locate(values, [r.tensor for r in held])  # type: ignore[union-attr]
+        if found is None:
+            self.templates[req.key] = _RETIRED
+        else:
+            tpl.gm = with_extra_outputs(self.gm, [n for n, _, _ in found])
+            tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
+        return out
 
     def _first(self, req: _Request, args: list[Any]) -> Any:
         block = req.block
@@ -280,14 +303,15 @@ def _classify(t: Tensor, owner: Any) -> tuple[Save, Var | None]:
 def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any:
     block = req.block
     record: BlockRecord = block.record
-    inputs = [input_of(args[k], _LIVE.get(id(args[k]))) for k in tpl.args]
+    inputs: list[Any] = [input_of(args[k], _LIVE.get(id(args[k]))) if k >= 0 else None for k in tpl.args]
     ops = list(tpl.ops)
     for i in tpl.input_ops:
         ops[i] = bound_op(ops[i], inputs)
     refs, of = list(tpl.refs), dict(tpl.of)
     for inp, s in zip(inputs, tpl.input_slots):
-        refs[s] = inp
-        of[id(inp)] = s
+        if inp is not None:
+            refs[s] = inp
+            of[id(inp)] = s
     record.ops.extend(ops)
     record.signature = (tpl.key, Slots(refs, of))
     state: ReplayState = block.owner
@@ -296,8 +320,12 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
     seq.states[0] = {g: g.get_state() for g in tpl.at_start}
     try:
         with sequencing(seq):
-            out = graph.gm(*args)
-        seq.finish(out)
+            out = (tpl.gm or graph.gm)(*args)
+        extras: Any = ()
+        if tpl.captured:  # T6: the graph returns the values that hold them too
+            n = len(out) - len(tpl.captured)
+            out, extras = tuple(out[:n]), out[n:]
+        seq.finish(out, extras, inputs)
     finally:
         if seq.diverged:  # D3: recorded from the next run on
             graph.templates[req.key] = _RETIRED
@@ -386,9 +414,18 @@ class _Sequencer:
         ops[tv.op] = rec._replace(outs=tuple(var if v is tv else v for v in rec.outs))
         return var
 
-    def finish(self, out: Any) -> None:
-        """After the graph returned: every save seen, outputs and random states bound (D4)."""
+    def finish(self, out: Any, extras: Any, inputs: list[Any]) -> None:
+        """After the graph returned: every save seen; outputs, the outside tensors the
+        block made itself (T6) and random states bound (D4)."""
         tpl = self.tpl
+        if tpl.capture:
+            for k, (e, j, layout) in zip(tpl.captured, tpl.capture):
+                inp = inputs[k] = Input(take(extras[e], j, layout))
+                s = tpl.input_slots[k]
+                self.refs[s] = inp
+                self.of[id(inp)] = s
+            for i in tpl.late_ops:
+                self.record.ops[i] = bound_op(self.record.ops[i], inputs)
         if self.n != len(tpl.saves):
             self._diverged(f"the run saved {self.n} tensors, its template {len(tpl.saves)}")
         outs = out if isinstance(out, (tuple, list)) else (out,)

@@ -9,7 +9,7 @@ per save what it was. A later run binds a record of its own from the template
 (:func:`bind`): its own Inputs, its own Vars for the tensors that outlive it, its own
 random states. Replay of that record is replay of a recorded block.
 
-RULES T1..T5: what makes a recorded run a template.
+RULES T1..T6: what makes a recorded run a template.
 
 T1. The record is one block, one frame, one numeric context, and every outside
     tensor it read is a graph argument, read, never written (no R1 copy) and not a
@@ -29,6 +29,11 @@ T4. The graph has no node of a nested scope (``_adapters.compile.graph``'s
     higher-order op (a checkpointed region, ``flex_attention``).
 T5. A template is used only under the numeric context it was recorded in; another
     context records the run as usual.
+T6. An outside tensor the block reads that is no graph argument is an output of an
+    op a ``save=`` policy keeps (not recorded: R2). The run after the first is recorded
+    again, node by node, to find the graph node whose value holds its storage; later
+    runs return those values too and take the tensor from them (same storage, dtype,
+    shape, strides and offset). Where no node holds it, there is no template.
 """
 
 from __future__ import annotations
@@ -126,6 +131,10 @@ class Template:
         "at_start",
         "context",
         "ops_saved",
+        "captured",
+        "capture",
+        "late_ops",
+        "gm",
     )
 
     def __init__(self) -> None:
@@ -144,6 +153,14 @@ class Template:
         self.at_start: list[torch.Generator] = []  # generators read when the run starts
         self.context: NumericContext = ()
         self.ops_saved = 0  # ops a save= policy kept (R2), counted per run
+        # T6: outside tensors made in the run (outputs of ops a save= policy keeps): their
+        # input indices; how each is taken from the graph's extra outputs, once found
+        # (``(extra output, element or -1, (dtype, size, stride, storage offset))``); the
+        # ops that read one (bound when the graph has returned); the graph that returns them.
+        self.captured: list[int] = []
+        self.capture: list[tuple[int, int, tuple[Any, ...]]] | None = None
+        self.late_ops: list[int] = []
+        self.gm: Any = None
 
 
 class Log:
@@ -170,7 +187,13 @@ def build(record: BlockRecord, log: Log, args: list[Any], outs: Any, frames: int
         return None
     for rec in record.ops:
         t.ops.append(_template_op(rec, copies))
-    t.input_ops = [i for i, rec in enumerate(record.ops) if any(type(r) is Input for r in _refs(rec))]
+    late = {id(slots.refs[t.input_slots[k]]) for k in t.captured}
+    for i, rec in enumerate(record.ops):
+        refs = [r for r in _refs(rec) if type(r) is Input]
+        if any(id(r) in late for r in refs):
+            t.late_ops.append(i)
+        elif refs:
+            t.input_ops.append(i)
     t.outputs = [_output_var(o, copies) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))]
     t.output_ids = {id(v) for v in t.outputs if v is not None}
     for root, members in record.loose.items():  # T1: no group of separate counters can outlive a run
@@ -195,10 +218,12 @@ def _copy_refs(slots: Slots, args: list[Any], t: Template) -> dict[int, Any] | N
         c: Any
         if type(r) is Input:
             src = r.source()
-            k = position.get(id(src)) if src is not None else None
-            if k is None or r.snapshot or r.writes or r.storage is not None:
+            k = position.get(id(src), -1) if src is not None else -1
+            if r.snapshot or r.writes or r.storage is not None:
                 return None
             c = Marker(len(t.args))
+            if k < 0:
+                t.captured.append(len(t.args))  # T6: found in the graph by the next run
             t.args.append(k)
             t.input_slots.append(s)
         else:
