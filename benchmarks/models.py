@@ -59,8 +59,10 @@ from .hf_zoo import DEFAULT_MODELS, GPU_SUITE, MODELS, build, preload
 __all__ = ["STRATEGIES", "GPU_STRATEGIES", "SWEEP_STRATEGIES", "run_model", "run_depth_sweep", "main"]
 
 STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_attn_mlp", "scope_layer_savemm", "mode_layer", "plain_again"]
-GPU_STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_layer_savemm", "budget50", "budget25",
-                  "mode_layer", "plain_again"]
+# On CUDA the function-form scopes run in their steady state by default (docs/concepts.md);
+# scope_layer+recorded shows the recorded path beside it.
+GPU_STRATEGIES = ["plain", "checkpoint", "sac_matmul", "scope_layer", "scope_layer+recorded", "scope_layer_savemm",
+                  "budget50", "budget25", "mode_layer", "plain_again"]
 SWEEP_STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_attn_mlp"]
 
 # Timing rounds, training steps, depth sweep and models per preset.

@@ -13,6 +13,7 @@ from ._base import torch_floor as _torch_floor  # noqa: F401
 from typing import Any
 
 from ._adapters import fsdp as _fsdp
+from ._adapters.steady import run as _steady
 from ._api import scope as _scope
 from ._api.checkpoint import checkpoint
 from ._api.helpers import apply_recompute, recompute_sequential, remove_recompute
@@ -40,6 +41,9 @@ def _traced_block(*args: Any, **options: Any) -> Any:
 
 
 _scope.set_traced_block(_traced_block)
+# A function-form scope whose function dynamo captures runs without the recorder once its
+# graph was recorded (imports no torch._dynamo until a function is captured).
+_scope.set_steady_runner(_steady.run)
 
 __all__ = [
     "Budget",

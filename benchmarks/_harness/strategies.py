@@ -10,6 +10,7 @@ region strategies (``scope_attn_mlp`` on the Hugging Face models, ``scope_mlp`` 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "selection",
     "apply_strategy",
     "plain_name",
+    "PATHS",
     "compare_tensors",
 ]
 
@@ -55,6 +57,12 @@ DESCRIPTIONS = {
     "recorder that is a dispatch mode)",
     "budget50": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.50 x plain's held after forward))",
     "budget25": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.25 x plain's held after forward))",
+    "scope_layer+fast": "scope_layer with GRADIENT_SCOPE_FAST=1 during the model's forward: each layer's "
+    "function captured by dynamo, bound from the record of its first run (the steady state)",
+    "scope_layer+recorded": "scope_layer with GRADIENT_SCOPE_FAST=0 during the model's forward: every "
+    "block recorded (the default on CPU)",
+    "budget50+fast": "budget50 in the steady state (GRADIENT_SCOPE_FAST=1)",
+    "scope_layer_savemm+fast": "scope_layer_savemm in the steady state (GRADIENT_SCOPE_FAST=1)",
     AA: "plain on a second copy (A/A control: the noise floor of the time ratios)",
 }
 
@@ -121,6 +129,28 @@ def wrap_forward(model: nn.Module, select: Selector, make_ctx: Callable[[], Any]
     return len(chosen)
 
 
+#: Strategy name suffixes that force the steady state on or off during the model's forward
+#: (the environment variable ``GRADIENT_SCOPE_FAST``, read at each scope's entry).
+PATHS = {"+fast": "1", "+recorded": "0"}
+
+
+class _FastSetting:
+    """``GRADIENT_SCOPE_FAST=value`` while a forward runs, restored after."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __enter__(self) -> None:
+        self.prior = os.environ.get("GRADIENT_SCOPE_FAST")
+        os.environ["GRADIENT_SCOPE_FAST"] = self.value
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prior is None:
+            os.environ.pop("GRADIENT_SCOPE_FAST", None)
+        else:
+            os.environ["GRADIENT_SCOPE_FAST"] = self.prior
+
+
 def budget_fraction(name: str) -> float | None:
     """``budget50`` -> 0.5: a Budget at that fraction of plain's held bytes; None for others."""
     if name.startswith("budget") and name[6:].isdigit():
@@ -154,6 +184,11 @@ def apply_strategy(
     ``budget@N`` (N bytes) or ``budgetNN`` strategy (NN% of ``plain_held``, plain's bytes
     held after forward), else None."""
     parts = parts or {}
+    for suffix, value in PATHS.items():
+        if name.endswith(suffix):
+            budget = apply_strategy(model, name[: -len(suffix)], layers, parts, plain_held)
+            wrap_forward(model, lambda m: m is model, functools.partial(_FastSetting, value))
+            return budget
     if name in ("plain", AA):
         return None
     if name in ("checkpoint", "sac_matmul"):

@@ -4,6 +4,8 @@
   graph that a joint-graph pass turns into recompute tags, with the checks of graph
   inputs and parameters written between forward and backward.
 - ``fsdp`` -- FSDP2: gathers the parameters a replay reads when FSDP2 has freed them.
+- ``steady`` -- a function-form scope's steady state: dynamo proves the same graph
+  runs, and its block is bound from the record of its first run instead of recorded.
 
 Private torch APIs beyond ``_base.torch_compat`` are allowed only here.
 """

@@ -41,7 +41,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from itertools import chain
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -202,6 +202,16 @@ def regather(t: torch.Tensor) -> bool:
     return True
 
 
+_FSDP_OPS: dict[int, bool] = {}  # id(op) -> whether it is one of FSDP2's (``namespace`` is a Python property)
+
+
+def _is_fsdp_op(func: Any) -> bool:
+    known = _FSDP_OPS.get(id(func))
+    if known is None:  # op overloads live for the process: their ids stay theirs
+        known = _FSDP_OPS[id(func)] = getattr(func, "namespace", None) == "fsdp"
+    return known
+
+
 def release_buffers(record: BlockRecord) -> None:
     """At block exit: make the block's live tensors that are FSDP2's own buffers
     (unsharded-parameter storage, allocated by the group's first all-gather when
@@ -209,7 +219,7 @@ def release_buffers(record: BlockRecord) -> None:
     if _FSDP_STATE_MODULE not in sys.modules:
         return
     ops = record.ops
-    if not any(getattr(rec.func, "namespace", None) == "fsdp" for rec in ops):
+    if not any(_is_fsdp_op(rec.func) for rec in ops):
         return
     owned: list[Var] = []
     with _lock:

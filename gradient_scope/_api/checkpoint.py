@@ -18,7 +18,7 @@ from .._base.errors import check_bool
 from .._base.feedback import unknown_options
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
-from .scope import counting_into, recompute_scope
+from .scope import counting_into, recompute_scope, run_in_scope
 
 __all__ = ["checkpoint", "checkpoint_stats", "reset_checkpoint_stats"]
 
@@ -215,8 +215,7 @@ def checkpoint(
             if stats is None:
                 stats = _stats[module] = ScopeStats()
             counting_into(scope, stats)
-    with scope:
-        return function(*args, **kwargs)
+    return run_in_scope(scope, function, args, kwargs)
 
 
 # checkpoint's own options (every keyword parameter; the rest of **kwargs goes to the function).

@@ -25,7 +25,7 @@ from .._base.feedback import describe_options, describe_paths, logger, unknown_o
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
 from ..policies import as_save_policy
-from .scope import counting_into, recompute_scope
+from .scope import counting_into, recompute_scope, run_in_scope
 from .selection import ModuleSelector, check_every_n, choose, every_module
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
@@ -107,8 +107,7 @@ class _ScopedForward:
         scope = recompute_scope(**self.options)
         if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
             scope._at(self.site)
-        with counting_into(scope, self.stats):
-            return forward(*args, **kwargs)
+        return run_in_scope(counting_into(scope, self.stats), forward, args, kwargs)
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:

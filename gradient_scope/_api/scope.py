@@ -28,7 +28,7 @@ from .._restore.handles import ReplayState
 from .._save import interception as _interception
 from ..policies import as_save_policy, is_built_in
 
-__all__ = ["recompute_scope", "recompute", "set_traced_block"]
+__all__ = ["recompute_scope", "recompute", "set_traced_block", "set_steady_runner", "run_in_scope"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,7 +54,29 @@ def set_traced_block(fn: Callable[..., Any]) -> Callable[[], None]:
     return remove
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# How a function-form scope (helpers, decorators, ``checkpoint``) runs its function:
+# ``runner(scope, fn, args, kwargs)``, registered by the package (``_adapters.steady``:
+# a block whose structure was seen before runs without the recorder). None: in the scope.
+_steady_runner: list[Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]] = []
+
+
+def set_steady_runner(fn: Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]) -> None:
+    """Make ``fn(scope, function, args, kwargs)`` run every function-form scope."""
+    _steady_runner[:] = [fn]
+
+
+def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` in ``scope``: the steady-state runner for a
+    :class:`recompute_scope`, else plainly (``scope`` is the compiled graph's
+    annotation while dynamo traces)."""
+    if _steady_runner and type(scope) is recompute_scope:
+        return _steady_runner[0](scope, fn, args, kwargs)
+    with scope:
+        return fn(*args, **kwargs)
+
+
+# The package's root folder: a frame in any of its rooms is the library's, not the user's.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _caller_site() -> Site:
@@ -394,8 +416,7 @@ def _decorate(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., 
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with recompute_scope(**options):
-            return fn(*args, **kwargs)
+        return run_in_scope(recompute_scope(**options), fn, args, kwargs)
 
     return wrapper
 

@@ -53,6 +53,8 @@ __all__ = [
     "alias_in_dispatch",
     "current_dispatch_mode",
     "dispatch_stack",
+    "pop_dispatch_mode",
+    "push_dispatch_mode",
     "set_dispatch_stack",
     "remove_mode_from_under",
     "without_torch_function",
@@ -60,6 +62,11 @@ __all__ = [
     "suspend_dynamo_compile",
     "resume_dynamo_compile",
     "in_compiled_code",
+    "is_dynamo_error",
+    "is_recompile_limit",
+    "global_module_hooks_active",
+    "any_mode_active",
+    "is_higher_order_op",
     "innermost_function_mode",
     "remove_function_mode_from_under",
     "SEEDED_TAG",
@@ -174,6 +181,16 @@ def dispatch_stack() -> list[Any]:
     return modes
 
 
+def pop_dispatch_mode() -> Any:
+    """Pop this thread's innermost TorchDispatchMode off the stack (its Python flags
+    stay as they are, as ``torch.utils._python_dispatch._pop_mode_temporarily`` leaves
+    them); :func:`push_dispatch_mode` puts it back."""
+    return torch._C._pop_torch_dispatch_stack(None)
+
+
+push_dispatch_mode: Callable[[Any], None] = torch._C._push_on_torch_dispatch_stack
+
+
 def set_dispatch_stack(modes: list[Any]) -> None:
     """Push ``modes`` (innermost last) onto this thread's empty mode stack."""
     for mode in modes:
@@ -278,6 +295,47 @@ def in_compiled_code() -> bool:
             return True
         f = f.f_back
     return False
+
+
+def is_recompile_limit(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo's refusal to compile a function again past its recompile limit."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    return exc is not None and isinstance(e, exc.FailOnRecompileLimitHit)
+
+
+def is_dynamo_error(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo's own failure to capture a function (a graph break under
+    ``fullgraph=True``, a recompile limit, a backend error), raised before the function
+    ran (``torch/_dynamo/exc.py``)."""
+    exc = sys.modules.get("torch._dynamo.exc")
+    if exc is None:
+        return False
+    return isinstance(e, (exc.TorchDynamoException, exc.FailOnRecompileLimitHit))
+
+
+_module_hooks = torch.nn.modules.module
+
+
+def any_mode_active() -> bool:
+    """Whether a TorchDispatchMode or a TorchFunctionMode is active in this thread."""
+    return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
+
+
+def is_higher_order_op(target: Any) -> bool:
+    """Whether an FX node's target is a higher-order operator (``torch._ops.HigherOrderOperator``)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def global_module_hooks_active() -> bool:
+    """Whether a global module hook is registered (``register_module_forward_hook`` and
+    friends): dynamo breaks the graph at each module call under one."""
+    m = _module_hooks
+    return bool(
+        m._global_forward_pre_hooks
+        or m._global_forward_hooks
+        or m._global_backward_pre_hooks
+        or m._global_backward_hooks
+    )
 
 
 #: A guard under which no TorchFunctionMode sees the calls made.

@@ -24,6 +24,8 @@ from .._base.torch_compat import (
     current_graph_task,
     default_dtype,
     in_compiled_code,
+    pop_dispatch_mode,
+    push_dispatch_mode,
     remove_mode_from_under,
     skip_dynamo,
 )
@@ -41,6 +43,8 @@ __all__ = [
     "settle",
     "has_open_block",
     "paused",
+    "suspended",
+    "reinstated",
 ]
 
 Tensor = torch.Tensor
@@ -253,3 +257,39 @@ class paused:
     def __exit__(self, *exc: Any) -> None:
         if self._r is not None:
             self._r.paused -= 1
+
+
+class suspended:
+    """A guard under which this thread's recorder is off the dispatch-mode stack
+    (when it is the innermost mode): ops then run with no Python call per op. A
+    block run in its steady state binds its record from a template instead of
+    recording (``_adapters.steady``); ``paused`` would still cost a mode call per op."""
+
+    __slots__ = ("_r",)
+
+    def __enter__(self) -> None:
+        r: Recorder | None = getattr(_tls, "recorder", None)
+        self._r = r if r is not None and current_dispatch_mode() is r else None
+        if self._r is not None:
+            pop_dispatch_mode()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._r is not None:
+            push_dispatch_mode(self._r)
+
+
+class reinstated:
+    """Inside :class:`suspended`: the recorder back on the stack (a block's first
+    steady-state run is recorded as usual: its record becomes the template)."""
+
+    __slots__ = ("_r",)
+
+    def __enter__(self) -> None:
+        r: Recorder | None = getattr(_tls, "recorder", None)
+        self._r = r if r is not None and current_dispatch_mode() is not r else None
+        if self._r is not None:
+            push_dispatch_mode(self._r)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._r is not None:
+            pop_dispatch_mode()

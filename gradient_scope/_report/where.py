@@ -48,7 +48,7 @@ _compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 _LIB_DIRS = tuple(
     os.path.dirname(m.__file__) + os.sep
-    for m in (torch, sys.modules[__name__.rpartition(".")[0]])
+    for m in (torch, sys.modules[__name__.partition(".")[0]])  # torch and the whole package
     if m.__file__ is not None
 )
 # Code that torch generates (fx graphs) or imports itself: never the user's line.

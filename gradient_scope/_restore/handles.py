@@ -55,11 +55,13 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .._base import errors as _errors
 from .._base.errors import RecomputeError, inplace_error, internal_error
+from .._base.stats import ScopeStats
 from .._base.torch_compat import below_autograd, current_graph_task, profiler_range, queue_engine_callback
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
@@ -100,7 +102,8 @@ class Handle:
         try:
             return materialize(self)
         except RecomputeError as e:
-            _errors.with_site(e, self.var.frame.site)
+            state = self.state
+            _errors.with_site(e, self.var.frame.site if state.stats is None else state.site)
             raise
 
     def __del__(self) -> None:
@@ -195,10 +198,15 @@ class ReplayState:
     cache, what replay derives from its record. Only this class writes them, under
     ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stored", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stored", "stats", "site", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7)
+        # Where replays are counted and the site errors name, for a block whose Vars are
+        # shared with other blocks (a steady-state run's: ``_adapters.steady``); None:
+        # each Var's own frame's.
+        self.stats: ScopeStats | None = None
+        self.site: Any = None
         self.lock = threading.RLock()  # backward may run in another thread
         self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
         self.handles = 0  # live handles
@@ -261,7 +269,7 @@ class ReplayState:
             ps = self._pass(task) if task != -1 else None
             if ps is None:
                 with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
-                    return replay(record, self.derived, var, _with_stored(self.stored, {}), ())[0]
+                    return replay(record, self.derived, var, _with_stored(self.stored, {}), (), self._stats(var))[0]
             key = (var, len(var.root.writes))
             cached = ps.cache.get(key)
             if cached is not None:
@@ -272,11 +280,14 @@ class ReplayState:
             ps.drop_written()
             with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
                 cache = _with_stored(self.stored, ps.cache)
-                value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h))
+                value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h), self._stats(var))
             for holder, key, v in holds:
                 ps.hold(holder, key, v)
             self._served(ps, h)
             return value
+
+    def _stats(self, var: Var) -> ScopeStats:
+        return var.frame.stats if self.stats is None else self.stats
 
     @staticmethod
     def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:

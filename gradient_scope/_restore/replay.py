@@ -20,6 +20,7 @@ import torch
 
 from .._base import rng as _rng
 from .._base.errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError, internal_error
+from .._base.stats import ScopeStats
 from .._base.subclass import data_storage_id, storage_freed
 from .._base.torch_compat import NumericContext, numeric_context, set_numeric_context, storage_id, without_autocast
 from .._record.types import BlockRecord, Input, OpRecord, Ref, Var, live_value
@@ -155,12 +156,17 @@ class Derived:
 
 
 def replay(
-    record: BlockRecord, derived: Derived, target: Var, cache: dict[Key, Tensor], wanted: Sequence[tuple[Var, H]]
+    record: BlockRecord,
+    derived: Derived,
+    target: Var,
+    cache: dict[Key, Tensor],
+    wanted: Sequence[tuple[Var, H]],
+    stats: ScopeStats,
 ) -> tuple[Tensor, list[tuple[H, Key, Tensor]]]:
     """Rebuild ``target`` (P1): values in ``cache`` or alive are not rebuilt.
     ``wanted`` lists the values other pending handles of the pass will ask for
     (P4); returns the value and ``(holder, key, value)`` for each wanted value this
-    replay made on the way: what the pass keeps."""
+    replay made on the way: what the pass keeps. The pass is counted in ``stats``."""
     st, slots = derived.of(record)
     refs, of = slots.refs, slots.of
 
@@ -177,7 +183,6 @@ def replay(
             value, produced = _run(record, st, slots, program, t, cache, contexts)
         else:
             value, produced = code(record.ops, slots.refs, cache, contexts, record.debug_values)
-    stats = target.frame.stats
     stats.replays += 1
     stats.ops_replayed += len(program.plan)
     holds: list[tuple[H, Key, Tensor]] = []

@@ -1,6 +1,6 @@
 """Save: what a save becomes -- a handle, the tensor as stored, or whatever the pair below ours makes.
 
-RULES S1..S4: what a save becomes.
+RULES S1..S5: what a save becomes.
 
 S1. A block tensor, or a view of one, saved while our pair applies to its
     block, becomes a :class:`~gradient_scope._restore.handles.Handle` -- unless it must
@@ -19,12 +19,18 @@ S3. Packing never reads the data of the tensor it packs: some kernels save an
 S4. A block tensor its frame's ``store`` decision (a memory budget's plan) picks
     is stored as in S2; its replay state is told, so that replays of other values
     read it instead of recomputing it (``_restore.handles`` P9).
+S5. While a thread runs a block in its steady state (``_adapters.steady``: the
+    block's ops run without the recorder), the saves of that run go to the run's
+    sequencer, which knows from the block's template what the n-th save is; it
+    decides S1..S4 for the block's own tensors and hands every other save back to
+    :func:`pack_as_usual`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -35,7 +41,18 @@ from .._record import recorder as _recorder
 from .._record.registry import Entry, lookup
 from .._record.types import Input, Var, ViewSpec, moved
 
-__all__ = ["pack", "unpack", "add_pack_listener", "may_be_new_output", "Stored", "Foreign"]
+__all__ = [
+    "pack",
+    "pack_as_usual",
+    "unpack",
+    "add_pack_listener",
+    "notify_listeners",
+    "may_be_new_output",
+    "Stored",
+    "Foreign",
+    "Sequencer",
+    "sequencing",
+]
 
 Tensor = torch.Tensor
 
@@ -52,6 +69,38 @@ def add_pack_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
             _listeners.remove(fn)
 
     return remove
+
+
+def notify_listeners(t: Tensor, h: Any) -> None:
+    """Tell the pack listeners that ``t`` became handle ``h``."""
+    for fn in _listeners:
+        fn(t, h)
+
+
+class Sequencer(Protocol):
+    """The saves of a steady-state run (S5)."""
+
+    def pack(self, below: HookPair | None, serial: int, t: Tensor) -> Any:
+        """What ``t``, the next save of the run, becomes."""
+
+
+_tls = threading.local()
+
+
+class sequencing:
+    """While active, this thread's saves go to ``seq`` (S5); restores what was there."""
+
+    __slots__ = ("seq", "prior")
+
+    def __init__(self, seq: Sequencer) -> None:
+        self.seq = seq
+
+    def __enter__(self) -> None:
+        self.prior = getattr(_tls, "seq", None)
+        _tls.seq = self.seq
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.seq = self.prior
 
 
 def may_be_new_output(t: Tensor) -> bool:
@@ -144,6 +193,14 @@ class Foreign:
 def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
     """Pack ``t`` for our pair: ``below`` is the pair under it; with one, only
     tensors of blocks with serial >= ``serial`` are ours (innermost wins)."""
+    seq = getattr(_tls, "seq", None)
+    if seq is not None:  # S5
+        return seq.pack(below, serial, t)
+    return pack_as_usual(below, serial, t)
+
+
+def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
+    """S1..S4 for ``t``, found by the registry."""
     entry = lookup(t)
     view = None
     made_by_block = entry is not None
@@ -166,8 +223,8 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
             return stored
         h = _handle(entry, t, view)  # S1
         if h is not None:
-            for fn in _listeners:
-                fn(t, h)
+            if _listeners:
+                notify_listeners(t, h)
             return h
     if below is not None:
         return Foreign(below[1], below[0](t))

@@ -1,0 +1,447 @@
+"""A function-form scope's steady state: its block runs without the recorder.
+
+The recorder is a TorchDispatchMode: a Python call per op, which on a GPU costs
+more than the kernels it launches. A scope that runs a function (``apply_recompute``,
+``@recompute``, ``checkpoint``) can instead have dynamo capture the function
+(``torch.compile(fn, backend=<ours>, fullgraph=True, dynamic=False)``): dynamo's
+guards prove, at every call, that the function computes the same graph -- the same
+ops on tensors of the same shapes, dtypes and devices, with the same Python
+constants, branches and global state -- and our backend runs that graph eagerly,
+op by op, with autograd as usual (the kernels, so the gradients, are the plain
+program's). The first run of a graph (per scope options) is recorded as any block;
+it becomes the graph's template (``template``). Later runs take the recorder off the
+dispatch stack and bind their record from the template instead (rules D1..D5).
+
+RULES D1..D5: when a block runs in its steady state.
+
+D1. Only a function-form scope, entered outside any open block and outside
+    backward, with grad mode on, ``debug=False``, and no TorchDispatchMode,
+    TorchFunctionMode or global module hook active, and only while
+    ``GRADIENT_SCOPE_FAST`` allows it: ``1`` always, ``0`` never, unset when an
+    argument of the function is a CUDA tensor (where host time is the bottleneck;
+    on CPU the first call's compile costs more than it saves).
+D2. A call that dynamo cannot capture whole runs recorded, as any block: nothing
+    of it ran before dynamo gave up. A function that failed twice (a graph break),
+    that dynamo runs without our graph, or whose graph holds a nested scope (T4)
+    is recorded from then on, for the life of the process (logged: logger
+    ``gradient_scope``, DEBUG); past dynamo's recompile limit, calls whose graph
+    dynamo has keep their steady state and the others are recorded.
+D3. The saves of a steady run go to its sequencer (``_save.pack`` S5), which takes
+    the n-th save to be the template's n-th (T2) and checks its shape and dtype: a
+    mismatch, or another number of saves, raises ``RecomputeError`` (never a silent
+    wrong gradient) and retires the template. (Versions are not compared: a custom
+    op that fills its output in place bumps the counter only without a dispatch mode.
+    A handle of a tensor that dies in the run carries the template's version, which
+    its recorded writes are counted in.)
+D4. The random states a run's random ops draw are read where the template says
+    (T3), and bound into the run's record with its Inputs, its output Vars (made
+    when the tensor is first saved or when the graph returns) and its signature:
+    replay, budgets, the report and ``model_stats`` read it as a recorded record.
+D5. Everything a run sets (the thread's request, the sequencer, the recorder off
+    the stack) is put back when it returns or raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..._base.errors import RecomputeError
+from ..._base.torch_compat import (
+    any_mode_active,
+    current_graph_task,
+    global_module_hooks_active,
+    is_dynamo_error,
+    is_higher_order_op,
+    is_recompile_limit,
+)
+from ..._record import recorder as _recorder
+from ..._record.registry import _LIVE, lookup, register
+from ..._record.signature import Slots, signature
+from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
+from ..._restore.handles import ReplayState
+from ..._save.pack import Foreign, Stored, may_be_new_output, notify_listeners, pack_as_usual, sequencing
+from .capture import NodeValues, locate, take, with_extra_outputs
+from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
+
+__all__ = ["run"]
+
+Tensor = torch.Tensor
+_log = logging.getLogger("gradient_scope")
+_tls = threading.local()
+_failed: weakref.WeakSet[Any] = weakref.WeakSet()  # D2: functions recorded from now on
+_compiled: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_RETIRED = object()  # a template that diverged (D3)
+
+
+def _wanted(scope: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """D1, before the scope is entered."""
+    setting = os.environ.get("GRADIENT_SCOPE_FAST", "")
+    if setting == "0" or scope._options["debug"]:
+        return False
+    if setting != "1" and not any(type(a) is Tensor and a.is_cuda for a in (*args, *kwargs.values())):
+        return False
+    return (
+        torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not any_mode_active()
+        and current_graph_task() == -1
+        and not global_module_hooks_active()
+    )
+
+
+def _target(fn: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]] | None:
+    """What dynamo compiles for ``fn`` (a function, or a bound method's function with
+    its ``self``), or None."""
+    head: tuple[Any, ...] = ()
+    if inspect.ismethod(fn):
+        func, head = fn.__func__, (fn.__self__,)
+    elif inspect.isfunction(fn):
+        func = fn
+    else:
+        return None
+    if func in _failed or inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+        return None
+    compiled = _compiled.get(func)
+    if compiled is None:
+        compiled = _compiled[func] = torch.compile(func, backend=_backend, fullgraph=True, dynamic=False)
+    return compiled, head
+
+
+class _Request:
+    """One steady call of a scope (thread-local while the compiled function runs)."""
+
+    __slots__ = ("key", "block", "entered", "save", "fn")
+
+    def __init__(self, scope: Any, block: Any, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        save = scope._options["save"]
+        self.save = save  # held: the key names it by id
+        self.key = (id(save), scope._options["preserve_rng_state"])
+        self.block = block
+        self.entered = False
+
+
+def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``scope``, in its steady state where D1 allows."""
+    target = _target(fn) if _wanted(scope, args, kwargs) else None
+    if target is None:
+        with scope:
+            return fn(*args, **kwargs)
+    compiled, head = target
+    with scope:
+        block = _recorder.innermost()
+        if block is None or len(block.frames) != 1 or block.frame.stats is not scope.stats or block.record.ops:
+            return fn(*args, **kwargs)  # the scope records nothing (disabled) or is not alone
+        req = _Request(scope, block, fn)
+        prior = getattr(_tls, "request", None)
+        _tls.request = req
+        raised = False
+        try:
+            with _recorder.suspended():
+                out = compiled(*head, *args, **kwargs)
+        except Exception as e:
+            if req.entered:
+                raise
+            raised = True  # nothing ran (D2): the function runs recorded (and raises its own error)
+            if is_dynamo_error(e):
+                _failed_once(fn, e)
+        finally:
+            _tls.request = prior
+        if raised:
+            return fn(*args, **kwargs)
+        if not req.entered:  # D2: dynamo ran it without our graph (no op, or a skipped frame)
+            _give_up(fn, "dynamo ran it without our graph")
+        return out
+
+
+#: D2: how often dynamo could not capture a function (a capture is retried: a break may
+#: depend on the arguments); at ``_RETRIES`` it is recorded from then on.
+_failures: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_RETRIES = 2
+
+
+def _failed_once(fn: Callable[..., Any], e: BaseException) -> None:
+    if is_recompile_limit(e):
+        return  # the graphs dynamo has keep running; this call is recorded
+    func = getattr(fn, "__func__", fn)
+    n = _failures[func] = _failures.get(func, 0) + 1
+    if n >= _RETRIES:
+        _give_up(fn, e)
+
+
+def _give_up(fn: Callable[..., Any], why: object) -> None:
+    func = getattr(fn, "__func__", fn)
+    _failed.add(func)
+    _log.debug("gradient_scope: %s is recorded from now on (no steady state): %s", func, why)
+
+
+def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    return _Graph(gm)
+
+
+class _Graph:
+    """What our backend gives dynamo for one captured graph: runs it eagerly, recorded
+    the first time per scope options, bound from the template after (D3, D4)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.templates: dict[Any, Any] = {}
+        # T4: a nested scope's annotation, or a higher-order op (a checkpoint's region,
+        # flex_attention: what it does is not the recorder's to bind), is recorded every run.
+        self.nested: bool = any(
+            (isinstance(n.meta.get("custom"), dict) and "gradient_scope" in n.meta["custom"])
+            or (n.op == "call_function" and is_higher_order_op(n.target))
+            for n in gm.graph.nodes
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        req: _Request | None = getattr(_tls, "request", None)
+        if req is None or req.entered:
+            with _recorder.reinstated():
+                return self.gm(*args)
+        req.entered = True
+        if self.nested:  # T4: recorded as usual, now and (D2) from the next call on
+            _give_up(req.fn, "a nested scope or a higher-order op in its graph")
+            with _recorder.reinstated():
+                return self.gm(*args)
+        tpl = self.templates.get(req.key)
+        if tpl is None:
+            return self._first(req, list(args))
+        if tpl is _RETIRED or tpl.context != req.block.context:  # T5
+            with _recorder.reinstated():
+                return self.gm(*args)
+        if tpl.captured and tpl.capture is None:
+            return self._locate(req, tpl, list(args))
+        return _steady(self, tpl, req, list(args))
+
+    def _locate(self, req: _Request, tpl: Template, args: list[Any]) -> Any:
+        """T6: a recorded run node by node, which finds the graph nodes whose values hold
+        the outside tensors the block makes itself."""
+        block = req.block
+        values = NodeValues(self.gm)
+        with _recorder.reinstated():
+            out = values.run(*args)
+        block.settle()
+        key, slots = signature(block.record)
+        found = None
+        held = [slots.refs[tpl.input_slots[k]] for k in tpl.captured]
+        if key == tpl.key and all(type(r) is Input for r in held):
+            found = locate(values, [r.tensor for r in held])  # type: ignore[union-attr]
+        if found is None:
+            self.templates[req.key] = _RETIRED
+        else:
+            tpl.gm = with_extra_outputs(self.gm, [n for n, _, _ in found])
+            tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
+        return out
+
+    def _first(self, req: _Request, args: list[Any]) -> Any:
+        block = req.block
+        log = Log()
+        log.start = {g: g.get_state() for g in default_generators()}
+        saved_before = block.frame.stats.ops_saved
+        with _recorder.reinstated(), sequencing(_Logger(block, log)):
+            out = self.gm(*args)
+        block.settle()
+        tpl = build(block.record, log, args, out, len(block.frames), self.nested)
+        if tpl is not None:
+            tpl.ops_saved = block.frame.stats.ops_saved - saved_before
+        self.templates[req.key] = tpl if tpl is not None else _RETIRED
+        return out
+
+
+class _Logger:
+    """The sequencer of a template's first run: every save as usual, and logged (T2)."""
+
+    __slots__ = ("block", "log")
+
+    def __init__(self, block: Any, log: Log) -> None:
+        self.block, self.log = block, log
+
+    def pack(self, below: Any, serial: int, t: Tensor) -> Any:
+        _recorder.settle()  # R6: versions of the last op's writes
+        log = self.log
+        log.seen.append(len(self.block.record.ops))
+        save, var = _classify(t, self.block.owner)
+        out = pack_as_usual(below, serial, t)
+        log.saves.append((save, var))
+        log.states.append({g: g.get_state() for g in log.start})
+        return out
+
+
+def _classify(t: Tensor, owner: Any) -> tuple[Save, Var | None]:
+    """T2 for ``t``, saved in a recorded run whose block's replay state is ``owner``."""
+    view = None
+    e = lookup(t)
+    base = t
+    if e is None and t._base is not None:
+        base = t._base
+        e = lookup(base)
+        view = ViewSpec.of(t, base) if e is not None else None
+        if view is None:
+            e = None
+    if e is None or e.frame.owner is not owner:
+        return Save(OTHER, None, None, False, -1, t.shape, t.dtype), None
+    var: Var = e  # type: ignore[assignment]
+    root = var.root
+    writes = root.writes
+    expected = writes[-1][1] if writes else var.version
+    if type(root) is Input:  # a view of an outside tensor: its counter is not the block's
+        return Save(KEEP, var, view, False, -1, t.shape, t.dtype), var
+    kind = KEEP if t._version != expected or moved(var, base) else BLOCK
+    itself = view is None and not may_be_new_output(t)
+    return Save(kind, var, view, itself, t._version, t.shape, t.dtype), var
+
+
+def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any:
+    block = req.block
+    record: BlockRecord = block.record
+    inputs: list[Any] = [input_of(args[k], _LIVE.get(id(args[k]))) if k >= 0 else None for k in tpl.args]
+    ops = list(tpl.ops)
+    for i in tpl.input_ops:
+        ops[i] = bound_op(ops[i], inputs)
+    refs, of = list(tpl.refs), dict(tpl.of)
+    for inp, s in zip(inputs, tpl.input_slots):
+        if inp is not None:
+            refs[s] = inp
+            of[id(inp)] = s
+    record.ops.extend(ops)
+    record.signature = (tpl.key, Slots(refs, of))
+    state: ReplayState = block.owner
+    state.stats, state.site = block.frame.stats, block.frame.site
+    seq = _Sequencer(tpl, block.frame, state, record, refs, of)
+    seq.states[0] = {g: g.get_state() for g in tpl.at_start}
+    try:
+        with sequencing(seq):
+            out = (tpl.gm or graph.gm)(*args)
+        extras: Any = ()
+        if tpl.captured:  # T6: the graph returns the values that hold them too
+            n = len(out) - len(tpl.captured)
+            out, extras = tuple(out[:n]), out[n:]
+        seq.finish(out, extras, inputs)
+    finally:
+        if seq.diverged:  # D3: recorded from the next run on
+            graph.templates[req.key] = _RETIRED
+    return out
+
+
+class _Sequencer:
+    """The saves of one steady run (S5, D3, D4)."""
+
+    __slots__ = ("tpl", "frame", "state", "record", "refs", "of", "n", "vars", "states", "diverged")
+
+    def __init__(
+        self, tpl: Template, frame: Frame, state: ReplayState, record: BlockRecord, refs: list[Any], of: dict[int, int]
+    ) -> None:
+        self.tpl, self.frame, self.state, self.record, self.refs, self.of = tpl, frame, state, record, refs, of
+        self.n = 0  # saves so far
+        self.vars: dict[int, Var] = {}  # id(template Var) -> this run's Var of a tensor that outlives it
+        self.states: dict[int, dict[torch.Generator, Tensor]] = {}  # observation -> generator states
+        self.diverged = False
+
+    def pack(self, below: Any, serial: int, t: Tensor) -> Any:
+        n = self.n
+        self.n = n + 1
+        saves = self.tpl.saves
+        if n >= len(saves):
+            self._diverged(f"save {n + 1} of a run whose template saves {len(saves)} tensors")
+        p = saves[n]
+        if t.shape != p.shape or t.dtype != p.dtype:
+            self._diverged(
+                f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}), the template's a "
+                f"{list(p.shape)} ({p.dtype})"
+            )
+        if p.kind == OTHER:
+            out = pack_as_usual(below, serial, t)
+        elif p.kind == KEEP:
+            out = Foreign(below[1], below[0](t)) if below is not None else Stored(t, True)
+        else:
+            out = self._block_save(p, t)
+        gens = self.tpl.observe.get(n + 1)
+        if gens:
+            self.states[n + 1] = {g: g.get_state() for g in gens}
+        return out
+
+    def _block_save(self, p: Save, t: Tensor) -> Any:
+        var: Var = p.var  # type: ignore[assignment]
+        version = p.version  # in the template's count, as its writes are (P2)
+        if id(var) in self.tpl.output_ids:
+            var = self._own(var, t if p.view is None or t._base is None else t._base)
+            if not var.root.writes:  # D4: an output's own count (see ``_own``)
+                version = t._version
+        frame = self.frame
+        if frame.store is not None and frame.store(var, t):  # S4
+            stored = Stored(t, True)
+            if p.view is None:
+                self.state.note_stored(var, stored.t)
+            return stored
+        h = self.state.new_handle(var, version, p.view, None, p.itself)
+        stats = frame.stats
+        stats.tensors_packed += 1
+        stats.bytes_packed += t.numel() * t.element_size()
+        notify_listeners(t, h)
+        return h
+
+    def _own(self, tv: Var, t: Tensor) -> Var:
+        """This run's Var of ``t``, the tensor template Var ``tv`` stands for, which
+        outlives the run (an output): registered, its op rebuilt (D4)."""
+        var = self.vars.get(id(tv))
+        if var is not None:
+            return var
+        root = tv.base
+        if type(root) is Var and id(root) in self.tpl.output_ids:
+            root = self._own(root, t._base if t._base is not None else t)
+        # Its version: the template's where its group has recorded writes (P2 compares
+        # them), else the tensor's own -- a custom op whose kernel fills its output in
+        # place bumps the output's counter when no dispatch mode is on, not under one.
+        var = new_var(t, tv.op, self.frame, root, tv.version if tv.root.writes else t._version)
+        if tv.writes:
+            var.writes = tv.writes
+        register(var)
+        self.vars[id(tv)] = var
+        s = self.of[id(tv)]
+        self.refs[s] = var
+        self.of[id(var)] = s
+        ops = self.record.ops
+        rec = ops[tv.op]
+        ops[tv.op] = rec._replace(outs=tuple(var if v is tv else v for v in rec.outs))
+        return var
+
+    def finish(self, out: Any, extras: Any, inputs: list[Any]) -> None:
+        """After the graph returned: every save seen; outputs, the outside tensors the
+        block made itself (T6) and random states bound (D4)."""
+        tpl = self.tpl
+        if tpl.capture:
+            for k, (e, j, layout) in zip(tpl.captured, tpl.capture):
+                inp = inputs[k] = Input(take(extras[e], j, layout))
+                s = tpl.input_slots[k]
+                self.refs[s] = inp
+                self.of[id(inp)] = s
+            for i in tpl.late_ops:
+                self.record.ops[i] = bound_op(self.record.ops[i], inputs)
+        if self.n != len(tpl.saves):
+            self._diverged(f"the run saved {self.n} tensors, its template {len(tpl.saves)}")
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for tv, o in zip(tpl.outputs, outs):
+            if tv is not None and isinstance(o, Tensor):
+                self._own(tv, o)
+        ops = self.record.ops
+        for i, gen, at in tpl.rng_ops:
+            ops[i] = ops[i]._replace(rng=(gen, self.states[at][gen]))
+        self.frame.stats.ops_saved += tpl.ops_saved
+
+    def _diverged(self, what: str) -> None:
+        self.diverged = True
+        raise RecomputeError(
+            "gradient_scope: a block run in its steady state (captured by dynamo, bound from the "
+            f"record of its first run) did not save what that run saved: {what}. Its guards passed, "
+            "so this is a bug in gradient_scope: please report it. Workaround: set the environment "
+            "variable GRADIENT_SCOPE_FAST=0 (every block is then recorded)."
+        )
