@@ -814,3 +814,20 @@ def test_report_around_a_scoped_model_compiled_with_inductor():
     assert report.stored_bytes == sum(counted.storages.values())
     for a, b in zip(grads, grads_without):
         torch.testing.assert_close(a, b)
+
+
+def test_source_lines_name_user_code_not_the_package():
+    """A row's source line is the first frame outside torch and the whole package (the pack
+    hook, the helpers' forward, any room of gradient_scope), also for scoped modules."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.Tanh())
+    gradient_scope.apply_recompute(model, check_fn=lambda m: isinstance(m, (nn.GELU, nn.Tanh)))
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_tensors_report(model) as report:
+        loss = model(x).exp().sum()
+    package = os.path.dirname(gradient_scope.__file__)
+    ours = {f for _, _, files in os.walk(package) for f in files if f.endswith(".py")}
+    sources = [row.largest_source for row in report.rows if row.largest_source]
+    assert sources, report
+    assert not [s for s in sources if s.split(":")[0] in ours], sources
+    loss.backward()
