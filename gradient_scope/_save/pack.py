@@ -52,6 +52,9 @@ __all__ = [
     "Foreign",
     "Sequencer",
     "sequencing",
+    "new_handle",
+    "store_chosen",
+    "store_as_usual",
 ]
 
 Tensor = torch.Tensor
@@ -145,11 +148,36 @@ def _handle(entry: Entry, t: Tensor, view: ViewSpec | None) -> Any:
     check = None
     if var.frame.debug and var not in record.scratch:
         check = t.detach() if new_output else t
-    h = owner.new_handle(var, v, view, check, view is None and not new_output)
-    stats = var.frame.stats
+    return new_handle(owner, var.frame.stats, var, t, v, view, check, view is None and not new_output)
+
+
+def new_handle(
+    owner: Any, stats: Any, var: Var, t: Tensor, version: int, view: ViewSpec | None, check: Any, itself: bool
+) -> Any:
+    """S1: the handle ``owner`` (the block's replay state) makes for ``t`` (``var``'s tensor
+    or ``view`` of it), counted in ``stats`` and told to the pack listeners."""
+    h = owner.new_handle(var, version, view, check, itself)
     stats.tensors_packed += 1
     stats.bytes_packed += t.numel() * t.element_size()
+    if _listeners:
+        notify_listeners(t, h)
     return h
+
+
+def store_chosen(frame: Any, var: Var, t: Tensor, view: ViewSpec | None) -> Stored:
+    """S4: ``t`` (``var``'s tensor or ``view`` of it), stored as its frame's ``store``
+    decision chose; the replay state reads it instead of recomputing it (P9)."""
+    stored = Stored(t, True)
+    if view is None and frame.owner is not None:
+        frame.owner.note_stored(var, stored.t)
+    return stored
+
+
+def store_as_usual(below: HookPair | None, t: Tensor, made_by_block: bool) -> Any:
+    """S2: ``t`` to the pair below ours, or stored as autograd stores it."""
+    if below is not None:
+        return Foreign(below[1], below[0](t))
+    return Stored(t, made_by_block)
 
 
 class Stored:
@@ -216,19 +244,12 @@ def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
         frame = entry.frame
-        if frame.store is not None and frame.store(entry, t):  # S4
-            stored = Stored(t, True)
-            if view is None and frame.owner is not None:
-                frame.owner.note_stored(entry, stored.t)
-            return stored
+        if frame.store is not None and frame.store(entry, t):
+            return store_chosen(frame, entry, t, view)  # type: ignore[arg-type]  # S4
         h = _handle(entry, t, view)  # S1
         if h is not None:
-            if _listeners:
-                notify_listeners(t, h)
             return h
-    if below is not None:
-        return Foreign(below[1], below[0](t))
-    return Stored(t, made_by_block)
+    return store_as_usual(below, t, made_by_block)
 
 
 def unpack(packed: Any) -> Tensor:

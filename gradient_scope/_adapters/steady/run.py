@@ -67,7 +67,14 @@ from ..._record.registry import _LIVE, lookup, register
 from ..._record.signature import Slots, signature
 from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
 from ..._restore.handles import ReplayState
-from ..._save.pack import Foreign, Stored, may_be_new_output, notify_listeners, pack_as_usual, sequencing
+from ..._save.pack import (
+    may_be_new_output,
+    new_handle,
+    pack_as_usual,
+    sequencing,
+    store_as_usual,
+    store_chosen,
+)
 from .capture import NodeValues, locate, take, with_extra_outputs
 from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
 
@@ -361,7 +368,7 @@ class _Sequencer:
         if p.kind == OTHER:
             out = pack_as_usual(below, serial, t)
         elif p.kind == KEEP:
-            out = Foreign(below[1], below[0](t)) if below is not None else Stored(t, True)
+            out = store_as_usual(below, t, True)
         else:
             out = self._block_save(p, t)
         gens = self.tpl.observe.get(n + 1)
@@ -377,17 +384,9 @@ class _Sequencer:
             if not var.root.writes:  # D4: an output's own count (see ``_own``)
                 version = t._version
         frame = self.frame
-        if frame.store is not None and frame.store(var, t):  # S4
-            stored = Stored(t, True)
-            if p.view is None:
-                self.state.note_stored(var, stored.t)
-            return stored
-        h = self.state.new_handle(var, version, p.view, None, p.itself)
-        stats = frame.stats
-        stats.tensors_packed += 1
-        stats.bytes_packed += t.numel() * t.element_size()
-        notify_listeners(t, h)
-        return h
+        if frame.store is not None and frame.store(var, t):
+            return store_chosen(frame, var, t, p.view)  # S4
+        return new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)  # S1
 
     def _own(self, tv: Var, t: Tensor) -> Var:
         """This run's Var of ``t``, the tensor template Var ``tv`` stands for, which
