@@ -200,7 +200,7 @@ def test_a_run_that_saves_otherwise_raises_and_retires_the_template(fast):
     x = torch.randn(4, 8, 16, requires_grad=True)
     _step(model, x, 0)
     graphs = [g for g in gc.get_objects() if type(g) is steady._Graph and g.templates]
-    tpl = next(t for g in graphs for t in g.templates.values() if isinstance(t, steady.Template))
+    tpl = next(t for g in graphs for _, t in g.templates.values() if isinstance(t, steady.Template))
     first = tpl.saves[0]
     tpl.saves[0] = first._replace(shape=torch.Size([3, 3]))  # as if the run saved something else
     with pytest.raises(RecomputeError, match="did not save what that run saved"):
@@ -384,3 +384,21 @@ def test_a_weight_written_before_backward_raises_as_when_recorded(fast):
     with pytest.raises(RecomputeError, match="modified in place"):
         loss.backward()
     assert len(fast) == 1
+
+
+def test_a_template_belongs_to_its_save_option_not_to_its_id(fast, monkeypatch):
+    """Options made and dropped in turn may reuse one address: each still gets its own
+    template (the save= option is held by its template's entry)."""
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    for i in range(4):
+        policy = [torch.ops.aten.addmm, torch.ops.aten.mm] if i % 2 == 0 else []
+        counted = {}
+        for setting in ("0", "1"):
+            monkeypatch.setenv("GRADIENT_SCOPE_FAST", setting)
+            model = _model(2)
+            apply_recompute(model, check_fn=Block, save=policy)
+            for seed in range(3):
+                _step(model, x, seed)
+            counted[setting] = gradient_scope.model_stats(model)
+        assert counted["0"] == counted["1"], (i, policy)
+        del policy, model

@@ -200,7 +200,9 @@ class _Graph:
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
-        self.templates: dict[Any, Any] = {}
+        # (id of the save= option, preserve_rng_state) -> (that option, its template or
+        # _RETIRED): the option is held, so that its id names it while the entry lives.
+        self.templates: dict[Any, tuple[Any, Any]] = {}
         # T4: a nested scope's annotation, or a higher-order op (a checkpoint's region,
         # flex_attention: what it does is not the recorder's to bind), is recorded every run.
         self.nested: bool = any(
@@ -219,7 +221,8 @@ class _Graph:
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
             with _recorder.reinstated():
                 return self.gm(*args)
-        tpl = self.templates.get(req.key)
+        entry = self.templates.get(req.key)
+        tpl = entry[1] if entry is not None and entry[0] is req.save else None
         if tpl is None:
             return self._first(req, list(args))
         if tpl is _RETIRED or tpl.context != req.block.context:  # T5
@@ -243,7 +246,7 @@ class _Graph:
         if key == tpl.key and all(type(r) is Input for r in held):
             found = locate(values, [r.tensor for r in held])  # type: ignore[union-attr]
         if found is None:
-            self.templates[req.key] = _RETIRED
+            self.templates[req.key] = (req.save, _RETIRED)
         else:
             tpl.gm = with_extra_outputs(self.gm, [n for n, _, _ in found])
             tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
@@ -260,7 +263,7 @@ class _Graph:
         tpl = build(block.record, log, args, out, len(block.frames), self.nested)
         if tpl is not None:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
-        self.templates[req.key] = tpl if tpl is not None else _RETIRED
+        self.templates[req.key] = (req.save, tpl if tpl is not None else _RETIRED)
         return out
 
 
@@ -335,7 +338,7 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
         seq.finish(out, extras, inputs)
     finally:
         if seq.diverged:  # D3: recorded from the next run on
-            graph.templates[req.key] = _RETIRED
+            graph.templates[req.key] = (req.save, _RETIRED)
     return out
 
 
@@ -434,7 +437,9 @@ class _Sequencer:
         ops = self.record.ops
         for i, gen, at in tpl.rng_ops:
             ops[i] = ops[i]._replace(rng=(gen, self.states[at][gen]))
-        self.frame.stats.ops_saved += tpl.ops_saved
+        if tpl.ops_saved:  # the ops save= kept ran in the graph, unseen by the recorder
+            self.frame.stats.ops_saved += tpl.ops_saved
+            self.frame.kept_any = True
 
     def _diverged(self, what: str) -> None:
         self.diverged = True
