@@ -176,7 +176,7 @@ class Log:
 
 
 def build(record: BlockRecord, log: Log, args: list[Any], outs: Any, frames: int, has_nested: bool) -> Template | None:
-    """The template of a recorded run, or None where T1..T4 do not hold."""
+    """The template of a recorded run, or None where T1..T4 and T6 do not hold."""
     if frames != 1 or has_nested or len(record.contexts) != 1 or record.escaped:
         return None
     key, slots = signature(record)
