@@ -212,19 +212,36 @@ def _is_fsdp_op(func: Any) -> bool:
     return known
 
 
+#: Per record structure (its signature's key, held): whether it has one of FSDP2's ops.
+_BY_STRUCTURE: dict[int, tuple[Any, bool]] = {}
+
+
+def _has_fsdp_op(record: BlockRecord) -> bool:
+    sig = record.signature
+    if sig is not None:
+        known = _BY_STRUCTURE.get(id(sig[0]))
+        if known is not None and known[0] is sig[0]:
+            return known[1]
+    found = any(_is_fsdp_op(rec.func) for rec in record.ops)
+    if sig is not None:
+        if len(_BY_STRUCTURE) >= 256:
+            _BY_STRUCTURE.clear()
+        _BY_STRUCTURE[id(sig[0])] = (sig[0], found)
+    return found
+
+
 def release_buffers(record: BlockRecord) -> None:
     """At block exit: make the block's live tensors that are FSDP2's own buffers
     (unsharded-parameter storage, allocated by the group's first all-gather when
     that ran inside the block) ordinary tensors."""
     if _FSDP_STATE_MODULE not in sys.modules:
         return
-    ops = record.ops
-    if not any(_is_fsdp_op(rec.func) for rec in ops):
+    if not _has_fsdp_op(record):
         return
     owned: list[Var] = []
     with _lock:
         _refresh()
-        for var in record.vars():
+        for var in record.registered_vars():
             live = _registry.tensor_of(var)
             if live is not None and type(live) in PLAIN and _owner(storage_id(live), False):
                 owned.append(var)

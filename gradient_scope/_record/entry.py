@@ -177,11 +177,12 @@ class OpenBlock:
         self._count()
         record = self.record
         _note_escaped(record)
+        registered = record.registered_vars()
         if aborted:
-            _note_unseen(self, [(v, t) for v in record.vars() if (t := _registry.tensor_of(v)) is not None])
-            _registry.forget(record.vars())
+            _note_unseen(self, [(v, t) for v in registered if (t := _registry.tensor_of(v)) is not None])
+            _registry.forget(registered)
         else:
-            _note_unseen(self, _registry.close_entries(record.vars()))  # type: ignore[arg-type]
+            _note_unseen(self, _registry.close_entries(registered))  # type: ignore[arg-type]
         record.open = False
         self.inputs = _Inputs()
 

@@ -321,7 +321,18 @@ class Frame:
 class BlockRecord:
     """The record of one block. ``ops`` only grows while ``open``; then never changes."""
 
-    __slots__ = ("ops", "open", "contexts", "debug_values", "scratch", "loose", "escaped", "signature", "__weakref__")
+    __slots__ = (
+        "ops",
+        "open",
+        "contexts",
+        "debug_values",
+        "scratch",
+        "loose",
+        "escaped",
+        "signature",
+        "registered",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.ops: list[OpRecord] = []
@@ -329,6 +340,9 @@ class BlockRecord:
         # Its signature and slots once closed (``_record.signature``: computed once,
         # for replay and a budget alike).
         self.signature: Any = None
+        # The Vars registered for it, where not every Var of its ops is (a steady-state
+        # run registers only the tensors that outlive it: ``_adapters.steady``); None: all.
+        self.registered: list[Var] | None = None
         # (first op index, numeric context) from where each context applies, in op
         # order: the global flags the ops' results depend on (R9 in ``_record.entry``).
         self.contexts: list[tuple[int, NumericContext]] = []
@@ -343,3 +357,7 @@ class BlockRecord:
 
     def vars(self) -> list[Var]:
         return [v for rec in self.ops for v in rec.outs if v is not None]
+
+    def registered_vars(self) -> list[Var]:
+        """The Vars that may be in the registry: what closing the block looks up."""
+        return self.vars() if self.registered is None else self.registered

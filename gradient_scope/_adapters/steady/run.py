@@ -324,6 +324,7 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
             of[id(inp)] = s
     record.ops.extend(ops)
     record.signature = (tpl.key, Slots(refs, of))
+    record.registered = []  # D4: the Vars of the tensors that outlive the run, as they are made
     state: ReplayState = block.owner
     state.stats, state.site = block.frame.stats, block.frame.site
     seq = _Sequencer(tpl, block.frame, state, record, refs, of)
@@ -407,6 +408,7 @@ class _Sequencer:
         if tv.writes:
             var.writes = tv.writes
         register(var)
+        self.record.registered.append(var)  # type: ignore[union-attr]
         self.vars[id(tv)] = var
         s = self.of[id(tv)]
         self.refs[s] = var
