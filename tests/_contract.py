@@ -82,7 +82,7 @@ def scribble_free_memory(nbytes: int = 4096, device: str = "cpu") -> None:
         del bufs
 
 
-def leaf(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+def leaf(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
 
 
