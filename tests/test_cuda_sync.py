@@ -6,6 +6,11 @@ the device to the host, ``.item()``, ``nonzero``, ``torch.cuda.synchronize()`` -
 ``RuntimeError``.  The plain program runs under the same mode first, so a failure here is
 the library's.  The results are then compared with the plain program's, bitwise, outside
 the mode (the comparison itself synchronizes).
+
+The model-level steps run both ways a function-form scope runs on CUDA: recorded
+(``GRADIENT_SCOPE_FAST=0``: every step checked) and in the steady state (the default on
+CUDA: the first step, which dynamo captures, runs before the check; the later ones, bound
+from the template, under it -- and they must have run steady).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gradient_scope import Budget, apply_recompute
+from gradient_scope._adapters.steady import run as steady
 
 from conftest import HAS_CUDA, NO_CUDA_REASON, PlainScopes, Scopes, assert_all_same, stat
 
@@ -56,20 +62,53 @@ def _model() -> nn.Module:
     return nn.Sequential(*[Block(D) for _ in range(3)], nn.LayerNorm(D)).to("cuda")
 
 
-def _train(model: nn.Module) -> dict[str, list[torch.Tensor]]:
-    """STEPS optimizer steps under the sync check; the losses and the parameters after."""
+def _train(model: nn.Module, checked_from: int = 0) -> dict[str, list[torch.Tensor]]:
+    """STEPS optimizer steps, those from ``checked_from`` on under the sync check; the
+    losses and the parameters after."""
     torch.manual_seed(1)
     x = torch.randn(8, 32, D, device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    with sync_is_an_error():
-        for _ in range(STEPS):
+    for step in range(STEPS):
+        with sync_is_an_error() if step >= checked_from else contextlib.nullcontext():
             loss = model(x).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
+        losses.append(loss.detach())
     return {"losses": losses, "params": [p.detach() for p in model.parameters()]}
+
+
+@pytest.fixture(params=["recorded", "steady"])
+def path(request, monkeypatch):
+    """How function-form scopes run: ``(name, steady runs so far)``; "steady" starts with
+    no graph captured and no function given up on."""
+    calls: list[int] = []
+    if request.param == "recorded":
+        monkeypatch.setenv("GRADIENT_SCOPE_FAST", "0")
+    else:
+        monkeypatch.delenv("GRADIENT_SCOPE_FAST", raising=False)  # CUDA arguments: on by default
+        torch._dynamo.reset()
+        monkeypatch.setattr(steady, "_failed", type(steady._failed)())
+        monkeypatch.setattr(steady, "_failures", type(steady._failures)())
+        real = steady._steady
+
+        def counting(*args):
+            calls.append(1)
+            return real(*args)
+
+        monkeypatch.setattr(steady, "_steady", counting)
+    return request.param, calls
+
+
+def _train_scoped(model: nn.Module, path) -> dict[str, list[torch.Tensor]]:
+    name, steady_runs = path
+    if name == "recorded":
+        return _train(model)
+    result = _train(model, checked_from=1)
+    # every block call of the checked steps ran steady (3 blocks a step)
+    assert len(steady_runs) >= 3 * (STEPS - 1), f"{len(steady_runs)} steady runs"
+    return result
 
 
 def test_the_check_is_armed():
@@ -80,22 +119,22 @@ def test_the_check_is_armed():
     assert torch.cuda.get_sync_debug_mode() == 0
 
 
-def test_scoped_training_step_makes_no_synchronizing_call():
+def test_scoped_training_step_makes_no_synchronizing_call(path):
     expected = _train(_model())
     model = _model()
     apply_recompute(model, check_fn=Block)
-    actual = _train(model)
+    actual = _train_scoped(model, path)
     assert_all_same(actual, expected)
 
 
-def test_budgeted_training_step_makes_no_synchronizing_call():
+def test_budgeted_training_step_makes_no_synchronizing_call(path):
     """A budget between the floor and everything: the first step measures, the later
     ones store part of the block tensors and recompute the rest."""
     expected = _train(_model())
     model = _model()
     budget = Budget(1_000_000)
     apply_recompute(model, check_fn=Block, budget=budget)
-    actual = _train(model)
+    actual = _train_scoped(model, path)
     assert_all_same(actual, expected)
     assert budget.floor_bytes < budget.planned_bytes <= budget.bytes, (budget.floor_bytes, budget.planned_bytes)
     assert budget.stored_ops() and budget.predicted_recompute > 0, "the plan should store part, recompute part"

@@ -202,7 +202,9 @@ def test_apply_recompute_memory(entered_scopes, options, expect_alive, device):
     train(steps=1, after_forward=after_forward, device=device)  # control: plain keeps all of them
     assert all(all(b.values()) for b in seen["alive"]), seen["alive"]
     entered_scopes.clear()
-    train(lambda m: apply_recompute(m, check_fn=is_block, **options), steps=1, after_forward=after_forward, device=device)
+    train(
+        lambda m: apply_recompute(m, check_fn=is_block, **options), steps=1, after_forward=after_forward, device=device
+    )
     for block in seen["alive"]:
         assert {k for k, alive in block.items() if alive} == expect_alive, seen["alive"]
     assert len(seen["scopes"]) == 2  # one per block call

@@ -314,7 +314,8 @@ def test_random_ops_replay_bitwise_under_deterministic_algorithms(device):
         y.sum().backward()
         return dict(y=y.detach(), after=torch.rand(3, device=device), **grads(dict(a=a, c=c)))
 
-    mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         scopes, _ = run_both(program)
