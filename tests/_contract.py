@@ -1,6 +1,7 @@
 """The contract every scoped program is held to: it returns exactly what the same program
-returns without any scope (``torch.equal``, same seed), or it raises ``RecomputeError``
-(``check``); and small helpers of the programs written against it.
+returns without any scope (``torch.equal``, same seed, on CPU and on CUDA), or it raises
+``RecomputeError`` (``check``); and small helpers of the programs written against it, which
+make their tensors on the test's ``device``.
 
 A scoped run drops its traceback before failing: a stored traceback keeps block tensors,
 and with them the scope's interception, alive into the next test.
@@ -34,9 +35,12 @@ def _outcome(program: Program, scopes: Any, seed: int) -> tuple[str, Any]:
         return "error", f"{type(e).__name__}: {e}"
 
 
-def check(program: Program, *, must_work: bool = False, seed: int = 0, **options: Any) -> Scopes:
+def check(
+    program: Program, *, must_work: bool = False, seed: int = 0, cuda_inexact: str | None = None, **options: Any
+) -> Scopes:
     """The contract: the scoped program equals the plain one bitwise, or raises
-    RecomputeError (only equality counts when ``must_work``). Returns the Scopes used."""
+    RecomputeError (only equality counts when ``must_work``). ``cuda_inexact``: see
+    ``conftest.assert_same``. Returns the Scopes used."""
     kind, expected = _outcome(program, PlainScopes(), seed)
     assert kind == "ok", f"test bug: the plain program fails: {expected}"
     scopes = Scopes(**options)
@@ -55,7 +59,7 @@ def check(program: Program, *, must_work: bool = False, seed: int = 0, **options
             if e is None:
                 assert a is None, f"result {i}: plain has None, scoped has a value"
             else:
-                assert_same(a, e, f"result {i}")
+                assert_same(a, e, f"result {i}", cuda_inexact=cuda_inexact)
     except AssertionError as e:
         msg = f"scoped program is silently different from the plain program: {e}"
     if msg:
@@ -70,22 +74,22 @@ def plain_grad(f: Callable[[torch.Tensor], torch.Tensor], a: torch.Tensor) -> to
     return x.grad
 
 
-def scribble_free_memory(nbytes: int = 4096) -> None:
+def scribble_free_memory(nbytes: int = 4096, device: str = "cpu") -> None:
     """Fill memory the allocator will hand out next with a sentinel, so that a replay
     reading an uninitialised buffer gets garbage, not by chance the freed forward value."""
     for n in (nbytes // 4, 30, 24, 16):  # the sizes the programs here allocate
-        bufs = [torch.full((n,), 12345.0) for _ in range(8)]
+        bufs = [torch.full((n,), 12345.0, device=device) for _ in range(8)]
         del bufs
 
 
-def leaf(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype).requires_grad_()
+def leaf(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
 
 
 def weighted_sum(t: torch.Tensor) -> torch.Tensor:
     """A loss that weights every element differently (a plain sum hides sign errors of
     symmetric terms); real-valued for complex tensors."""
-    w = torch.linspace(-1.0, 2.0, t.numel()).reshape(t.shape).to(t.dtype)
+    w = torch.linspace(-1.0, 2.0, t.numel(), device=t.device).reshape(t.shape).to(t.dtype)
     out = t * w
     if out.is_complex():
         out = torch.view_as_real(out)

@@ -2,8 +2,13 @@
 
 Every gradient test compares a scoped program against the *same* program run without any
 scope (a ``contextlib.nullcontext`` in place of each scope), from the same seed, with
-``torch.equal`` on CPU (no tolerances).  Programs are written as ``program(scope)`` where
+``torch.equal`` (no tolerances) on every device; on CUDA a test whose program runs a kernel
+that is nondeterministic run to run says why with ``cuda_inexact=`` and is compared with
+``torch.testing.assert_close`` there.  Programs are written as ``program(scope)`` where
 ``scope(**options)`` returns a fresh context manager for each region.
+
+Devices: the ``device`` fixture runs a test once on ``"cpu"`` and once on ``"cuda"``; the
+CUDA run is skipped where ``torch.cuda.is_available()`` is false.
 
 Global state as found: the autouse fixture ``global_state_as_found`` checks after every
 test that ``global_state()`` (saved-tensor hooks, dispatch modes, grad and inference mode,
@@ -37,14 +42,39 @@ logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum su
 # devices
 
 HAS_CUDA = torch.cuda.is_available()
+NO_CUDA_REASON = "needs CUDA: torch.cuda.is_available() is False (the CUDA half of the suite runs on a GPU)"
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param(
         "cuda",
         id="cuda",
-        marks=pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available"),
+        marks=pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON),
     ),
 ]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """The device a contract test runs on: ``"cpu"``, and ``"cuda"`` where a GPU is there
+    (skipped otherwise).  Every tensor of the test is made on it (``device=device``,
+    ``module.to(device)``)."""
+    return request.param
+
+
+def sync(device):
+    """Wait for the device's queued kernels (a no-op on CPU): for checks that read
+    allocator statistics or host-side state after asynchronous work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def memory_allocated(device):
+    """Bytes the CUDA caching allocator has handed out on ``device`` (None on CPU, where
+    the weakref checks are the measure)."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(device)
 
 
 # --------------------------------------------------------------------------------------
@@ -85,6 +115,13 @@ def global_state():
         "inference_mode": torch.is_inference_mode_enabled(),
         "autocast_cpu": torch.is_autocast_enabled("cpu"),
         "autocast_cpu_dtype": torch.get_autocast_dtype("cpu"),
+        "autocast_cuda": torch.is_autocast_enabled("cuda"),
+        "autocast_cuda_dtype": torch.get_autocast_dtype("cuda"),
+        "deterministic": (torch.are_deterministic_algorithms_enabled(),
+                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        # (read only once CUDA is initialised: reading it initialises CUDA, and before that
+        # it is the default, 0)
+        "cuda_sync_debug_mode": torch.cuda.get_sync_debug_mode() if torch.cuda.is_initialized() else 0,
         "default_dtype": torch.get_default_dtype(),
         "default_device": torch.get_default_device(),
     }
@@ -142,6 +179,12 @@ def _put_back(before):
     torch.set_grad_enabled(before["grad_enabled"])
     torch.set_autocast_enabled("cpu", before["autocast_cpu"])
     torch.set_autocast_dtype("cpu", before["autocast_cpu_dtype"])
+    torch.set_autocast_enabled("cuda", before["autocast_cuda"])
+    torch.set_autocast_dtype("cuda", before["autocast_cuda_dtype"])
+    mode, warn_only = before["deterministic"]
+    torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    if torch.cuda.is_initialized():
+        torch.cuda.set_sync_debug_mode(before["cuda_sync_debug_mode"])
     torch.set_default_dtype(before["default_dtype"])
     if torch.get_default_device() != before["default_device"]:
         # (set_default_device("cpu") would leave a DeviceContext mode on; None removes it)
@@ -221,23 +264,27 @@ class Scopes:
 # comparisons
 
 
-def assert_same(actual, expected, name="tensor"):
+def assert_same(actual, expected, name="tensor", *, cuda_inexact=None):
+    """``actual`` is ``expected`` bitwise (``torch.equal``), on every device.
+
+    ``cuda_inexact``: on CUDA only, the reason the program's kernels may differ run to run
+    (atomic accumulation, cuDNN's algorithm choice, ...); the tensors are then compared
+    with ``torch.testing.assert_close`` at its default tolerances.  CPU stays bitwise."""
     assert isinstance(actual, torch.Tensor), f"{name}: got {type(actual)}"
     assert isinstance(expected, torch.Tensor), f"{name}: expected is {type(expected)}"
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     assert actual.dtype == expected.dtype, f"{name}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.device == expected.device, f"{name}: {actual.device} != {expected.device}"
-    if actual.device.type == "cpu":
-        if not torch.equal(actual, expected):
-            diff = (actual.double() - expected.double()).abs()
-            diff = diff[~torch.isnan(diff)]
-            worst = diff.max().item() if diff.numel() else float("nan")
-            raise AssertionError(f"{name}: not bitwise equal to the plain program (max |diff| {worst})")
-    else:
-        torch.testing.assert_close(actual, expected, msg=lambda m: f"{name}: {m}")
+    if actual.device.type == "cuda" and cuda_inexact:
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{name} ({cuda_inexact}): {m}")
+    elif not torch.equal(actual, expected):
+        diff = (actual.double() - expected.double()).abs()
+        diff = diff[~torch.isnan(diff)]
+        worst = diff.max().item() if diff.numel() else float("nan")
+        raise AssertionError(f"{name}: not bitwise equal to the plain program on {actual.device} (max |diff| {worst})")
 
 
-def assert_all_same(actual, expected):
+def assert_all_same(actual, expected, *, cuda_inexact=None):
     """Compare two dicts (or lists) of tensors / None / plain values."""
     if isinstance(expected, dict):
         assert set(actual) == set(expected)
@@ -247,25 +294,25 @@ def assert_all_same(actual, expected):
         items = [(str(i), a, e) for i, (a, e) in enumerate(zip(actual, expected))]
     for name, a, e in items:
         if isinstance(e, torch.Tensor):
-            assert_same(a, e, name)
+            assert_same(a, e, name, cuda_inexact=cuda_inexact)
         elif isinstance(e, (list, tuple)) and e and isinstance(e[0], torch.Tensor):
             assert len(a) == len(e), name
             for i, (ai, ei) in enumerate(zip(a, e)):
-                assert_same(ai, ei, f"{name}[{i}]")
+                assert_same(ai, ei, f"{name}[{i}]", cuda_inexact=cuda_inexact)
         else:
             assert a == e, f"{name}: {a!r} != {e!r}"
 
 
-def run_both(program, seed=0, **options):
+def run_both(program, seed=0, *, cuda_inexact=None, **options):
     """Run ``program(scope)`` with real scopes and without, from the same seed; assert
-    all returned tensors are equal.  Returns the Scopes object of the scoped run and its
-    result."""
+    all returned tensors are equal (``cuda_inexact``: see ``assert_same``).  Returns the
+    Scopes object of the scoped run and its result."""
     scopes = Scopes(**options)
     torch.manual_seed(seed)
     actual = program(scopes)
     torch.manual_seed(seed)
     expected = program(PlainScopes())
-    assert_all_same(actual, expected)
+    assert_all_same(actual, expected, cuda_inexact=cuda_inexact)
     return scopes, actual
 
 

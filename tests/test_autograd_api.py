@@ -14,8 +14,8 @@ from _interop import run_both_clean
 from conftest import assert_stacks_clean, grads, stat
 
 
-def leaves(*shapes, dtype=torch.float32):
-    return [torch.randn(*s, dtype=dtype, requires_grad=True) for s in shapes]
+def leaves(*shapes, dtype=torch.float32, device="cpu"):
+    return [torch.randn(*s, dtype=dtype, requires_grad=True, device=device) for s in shapes]
 
 
 # ----------------------------------------------------------------------------------------
@@ -23,9 +23,9 @@ def leaves(*shapes, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("subset", ["a", "b", "c", "ab", "bc"])
-def test_grad_inputs_subset(subset):
+def test_grad_inputs_subset(subset, device):
     def program(scope):
-        a, b, c = leaves((4, 6), (6, 5), (4, 5))
+        a, b, c = leaves((4, 6), (6, 5), (4, 5), device=device)
         with scope():
             h = (a @ b).tanh()
             k = torch.dropout(h, 0.25, True) * h
@@ -39,9 +39,9 @@ def test_grad_inputs_subset(subset):
     assert_stacks_clean()
 
 
-def test_backward_inputs_subset():
+def test_backward_inputs_subset(device):
     def program(scope):
-        a, b, c = leaves((4, 6), (6, 5), (4, 5))
+        a, b, c = leaves((4, 6), (6, 5), (4, 5), device=device)
         with scope():
             h = F.gelu(a @ b)
         (h * c).sum().backward(inputs=[b, c])
@@ -56,9 +56,9 @@ def test_backward_inputs_subset():
 # retain_graph and repeated backward
 
 
-def test_retain_graph_repeated_backward():
+def test_retain_graph_repeated_backward(device):
     def program(scope):
-        a, b, c = leaves((5, 4), (4, 4), (5, 4))
+        a, b, c = leaves((5, 4), (4, 4), (5, 4), device=device)
         with scope():
             h = (a @ b).sigmoid()
             d = torch.dropout(h, 0.5, True)
@@ -79,9 +79,9 @@ def test_retain_graph_repeated_backward():
     assert_stacks_clean()
 
 
-def test_retain_graph_grad_then_backward():
+def test_retain_graph_grad_then_backward(device):
     def program(scope):
-        a, b = leaves((3, 7), (3, 7))
+        a, b = leaves((3, 7), (3, 7), device=device)
         with scope():
             h = a.exp() * b
         y = h.cos() * h
@@ -99,9 +99,9 @@ def test_retain_graph_grad_then_backward():
 # create_graph / higher order
 
 
-def test_create_graph_double_backward():
+def test_create_graph_double_backward(device):
     def program(scope):
-        a, b, c = leaves((4, 5), (5, 3), (4, 3))
+        a, b, c = leaves((4, 5), (5, 3), (4, 3), device=device)
         with scope():
             h = (a @ b).tanh()
             k = h.exp() * h
@@ -116,9 +116,9 @@ def test_create_graph_double_backward():
     assert_stacks_clean()
 
 
-def test_create_graph_third_order():
+def test_create_graph_third_order(device):
     def program(scope):
-        (x,) = leaves((6,))
+        (x,) = leaves((6,), device=device)
         with scope():
             h = x.sin() * x.exp()
         y = (h * h).sum()
@@ -132,7 +132,7 @@ def test_create_graph_third_order():
     assert_stacks_clean()
 
 
-def test_gradgradcheck_scope_inside():
+def test_gradgradcheck_scope_inside(device):
     def fn(a, b):
         with recompute_scope():
             h = (a @ b).tanh()
@@ -140,8 +140,8 @@ def test_gradgradcheck_scope_inside():
         return (k.exp() * h).sin()
 
     torch.manual_seed(0)
-    a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True, device=device)
+    b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True, device=device)
     assert torch.autograd.gradcheck(fn, (a, b))
     assert torch.autograd.gradgradcheck(fn, (a, b))
     del a, b
@@ -153,9 +153,9 @@ def test_gradgradcheck_scope_inside():
 
 
 @pytest.mark.parametrize("create_graph", [False, True])
-def test_grad_called_inside_block(create_graph):
+def test_grad_called_inside_block(create_graph, device):
     def program(scope):
-        a, b = leaves((4, 5), (4, 5))
+        a, b = leaves((4, 5), (4, 5), device=device)
         with scope():
             h = (a * b).exp()
             (ga,) = torch.autograd.grad(h.sum(), a, create_graph=create_graph, retain_graph=True)
@@ -169,11 +169,11 @@ def test_grad_called_inside_block(create_graph):
     assert_stacks_clean()
 
 
-def test_backward_of_earlier_graph_inside_block():
+def test_backward_of_earlier_graph_inside_block(device):
     """A full backward (of an earlier scope's tensors) runs while another block is open."""
 
     def program(scope):
-        a, b = leaves((4, 5), (4, 5))
+        a, b = leaves((4, 5), (4, 5), device=device)
         with scope():
             h = (a * b).exp()
         loss1 = (h * h).sum()
@@ -193,9 +193,9 @@ def test_backward_of_earlier_graph_inside_block():
 # partial replay
 
 
-def test_partial_grad_replays_only_needed_ops():
+def test_partial_grad_replays_only_needed_ops(device):
     def program(scope):
-        a, b, c, d = leaves((4, 4), (4, 4), (4, 4), (4, 4))
+        a, b, c, d = leaves((4, 4), (4, 4), (4, 4), (4, 4), device=device)
         with scope():
             h1 = a.sin().exp()  # 2 ops
             h2 = b.cos().tanh().exp()  # 3 ops
@@ -214,12 +214,12 @@ def test_partial_grad_replays_only_needed_ops():
     assert_stacks_clean()
 
 
-def test_second_pass_replays_the_rest():
+def test_second_pass_replays_the_rest(device):
     """grad for c (needs h1) then, after retain_graph, for d (needs h2): each pass replays
     only its part, and each recorded op at most once per pass."""
 
     def program(scope):
-        a, b, c, d = leaves((4, 4), (4, 4), (4, 4), (4, 4))
+        a, b, c, d = leaves((4, 4), (4, 4), (4, 4), (4, 4), device=device)
         with scope():
             h1 = a.sin().exp()
             h2 = b.cos().tanh().exp()
@@ -246,11 +246,11 @@ def test_second_pass_replays_the_rest():
     assert_stacks_clean()
 
 
-def test_each_op_replayed_at_most_once_per_pass():
+def test_each_op_replayed_at_most_once_per_pass(device):
     """``docs/concepts.md``: within one backward pass each recorded op is replayed at most once; a
     replayed value other still-packed handles depend on is kept until they are served.
     Here exp saves its output h and mul saves h again: two handles of one tensor."""
-    a, c = leaves((4,), (4,))
+    a, c = leaves((4,), (4,), device=device)
     s = recompute_scope()
     with s:
         h = a.sin().exp()

@@ -20,11 +20,11 @@ def test_public_names():
     assert hasattr(s, "__enter__") and hasattr(s, "__exit__")
 
 
-def test_add_in_scope_mul_after():
+def test_add_in_scope_mul_after(device):
     def program(scope):
-        a = torch.randn(4, 5, requires_grad=True)
-        b = torch.randn(4, 5, requires_grad=True)
-        c = torch.randn(4, 5, requires_grad=True)
+        a = torch.randn(4, 5, requires_grad=True, device=device)
+        b = torch.randn(4, 5, requires_grad=True, device=device)
+        c = torch.randn(4, 5, requires_grad=True, device=device)
         with scope():
             x = a + b
         y = x * c
@@ -38,14 +38,14 @@ def test_add_in_scope_mul_after():
     assert stat(s, "replays") >= 1
 
 
-def test_saved_inside_and_after_block():
+def test_saved_inside_and_after_block(device):
     """A block tensor saved inside the block (exp saves its output, mul saves both) and
     after it, several times."""
 
     def program(scope):
-        a = torch.randn(3, 6, requires_grad=True)
-        b = torch.randn(6, 4, requires_grad=True)
-        c = torch.randn(3, 4, requires_grad=True)
+        a = torch.randn(3, 6, requires_grad=True, device=device)
+        b = torch.randn(6, 4, requires_grad=True, device=device)
+        c = torch.randn(3, 4, requires_grad=True, device=device)
         with scope():
             h = a @ b
             e = h.exp()
@@ -60,13 +60,13 @@ def test_saved_inside_and_after_block():
     run_both(program)
 
 
-def test_mlp_three_steps():
+def test_mlp_three_steps(device):
     def program(scope):
-        model = MLP()
+        model = MLP().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for _ in range(3):
-            x = torch.randn(8, 12)
+            x = torch.randn(8, 12, device=device)
             opt.zero_grad()
             loss = model(x, scope).pow(2).mean()
             loss.backward()
@@ -79,10 +79,10 @@ def test_mlp_three_steps():
 
 
 @pytest.mark.parametrize("mode", ["inner", "outer", "both"])
-def test_transformer(mode):
+def test_transformer(mode, device):
     def program(scope):
-        model = Transformer(mode=mode)
-        x = torch.randn(2, 5, 16, requires_grad=True)
+        model = Transformer(mode=mode).to(device)
+        x = torch.randn(2, 5, 16, requires_grad=True, device=device)
         out = model(x, scope)
         loss = out.float().pow(2).mean()
         loss.backward()
@@ -93,14 +93,14 @@ def test_transformer(mode):
     assert sum(stat(s, "tensors_packed") for s in scopes.created) >= 2
 
 
-def test_linear_3d_input_after_block():
+def test_linear_3d_input_after_block(device):
     """F.linear reshapes 3-D input to 2-D (a view taken after the block) and saves it."""
 
     def program(scope):
-        x = torch.randn(2, 3, 8, requires_grad=True)
-        w1 = torch.randn(10, 8, requires_grad=True)
-        w2 = torch.randn(4, 10, requires_grad=True)
-        b2 = torch.randn(4, requires_grad=True)
+        x = torch.randn(2, 3, 8, requires_grad=True, device=device)
+        w1 = torch.randn(10, 8, requires_grad=True, device=device)
+        w2 = torch.randn(4, 10, requires_grad=True, device=device)
+        b2 = torch.randn(4, requires_grad=True, device=device)
         with scope():
             h = F.gelu(F.linear(x, w1))
         ref = weakref.ref(h)
@@ -114,11 +114,11 @@ def test_linear_3d_input_after_block():
     run_both(program)
 
 
-def test_views_after_block():
+def test_views_after_block(device):
     def program(scope):
-        a = torch.randn(4, 6, requires_grad=True)
-        c = torch.randn(24, requires_grad=True)
-        d = torch.randn(4, 3, requires_grad=True)
+        a = torch.randn(4, 6, requires_grad=True, device=device)
+        c = torch.randn(24, requires_grad=True, device=device)
+        d = torch.randn(4, 3, requires_grad=True, device=device)
         with scope():
             x = a.sin() * 2
         v = x.view(-1)
@@ -135,10 +135,10 @@ def test_views_after_block():
     run_both(program)
 
 
-def test_views_inside_block():
+def test_views_inside_block(device):
     def program(scope):
-        a = torch.randn(3, 4, requires_grad=True)
-        c = torch.randn(4, 3, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
+        c = torch.randn(4, 3, requires_grad=True, device=device)
         with scope():
             x = (a * 3).t()
             y = x.reshape(12)[::2].view(2, 3)
@@ -151,11 +151,11 @@ def test_views_inside_block():
     run_both(program)
 
 
-def test_autograd_grad_with_inputs():
+def test_autograd_grad_with_inputs(device):
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        b = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        b = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             x = (a * b).sin()
         y = (x * c).sum()
@@ -167,10 +167,10 @@ def test_autograd_grad_with_inputs():
     run_both(program)
 
 
-def test_retain_graph_two_passes():
+def test_retain_graph_two_passes(device):
     def program(scope):
-        a = torch.randn(6, requires_grad=True)
-        c = torch.randn(6, requires_grad=True)
+        a = torch.randn(6, requires_grad=True, device=device)
+        c = torch.randn(6, requires_grad=True, device=device)
         with scope():
             x = torch.tanh(a) * a
         y = (x * c).sum()
@@ -185,10 +185,10 @@ def test_retain_graph_two_passes():
     assert stat(s, "replays") >= 2, "a later backward pass must replay again"
 
 
-def test_create_graph_higher_order():
+def test_create_graph_higher_order(device):
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             x = a.sin() * a
         y = (x * c).sum()
@@ -200,13 +200,13 @@ def test_create_graph_higher_order():
     run_both(program)
 
 
-def test_create_graph_grad_of_recomputed_value():
+def test_create_graph_grad_of_recomputed_value(device):
     """d(dL/dc)/da where dL/dc is the recomputed block tensor itself: the recomputed value
     must carry its graph under create_graph=True."""
 
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             x = torch.tanh(a) * a
         y = (x * c).sum()
@@ -219,11 +219,11 @@ def test_create_graph_grad_of_recomputed_value():
     run_both(program)
 
 
-def test_block_tensor_is_leaf_created_in_block():
+def test_block_tensor_is_leaf_created_in_block(device):
     def program(scope):
-        c = torch.randn(6, requires_grad=True)
+        c = torch.randn(6, requires_grad=True, device=device)
         with scope():
-            w = torch.randn(6, requires_grad=True)  # a leaf made in the block
+            w = torch.randn(6, requires_grad=True, device=device)  # a leaf made in the block
             x = w.exp()
         y = x * c
         del x
@@ -233,14 +233,14 @@ def test_block_tensor_is_leaf_created_in_block():
     run_both(program)
 
 
-def test_block_tensor_without_grad_and_integer_ops():
+def test_block_tensor_without_grad_and_integer_ops(device):
     def program(scope):
-        a = torch.randn(4, 7, requires_grad=True)
-        c = torch.randn(4, 7, requires_grad=True)
+        a = torch.randn(4, 7, requires_grad=True, device=device)
+        c = torch.randn(4, 7, requires_grad=True, device=device)
         with scope():
             idx = a.detach().abs().argmax(dim=1, keepdim=True)  # integer, no grad
             mask = a > 0  # bool, no grad
-            ramp = torch.arange(7, dtype=torch.float32)  # factory op, no grad
+            ramp = torch.arange(7, dtype=torch.float32, device=device)  # factory op, no grad
             x = torch.where(mask, a * ramp, a.cos())
         y = x.gather(1, idx) * c[:, :1]
         z = (x * ramp).masked_fill(~mask, 0.0) * c
@@ -251,10 +251,10 @@ def test_block_tensor_without_grad_and_integer_ops():
     run_both(program)
 
 
-def test_pass_through_and_multiple_outputs():
+def test_pass_through_and_multiple_outputs(device):
     def program(scope):
-        a = torch.randn(6, 4, requires_grad=True)
-        c = torch.randn(6, 4, requires_grad=True)
+        a = torch.randn(6, 4, requires_grad=True, device=device)
+        c = torch.randn(6, 4, requires_grad=True, device=device)
         with scope():
             same = a  # not created in the block
             parts = (a * 2).chunk(3, dim=0)  # multi-output view op
@@ -269,11 +269,11 @@ def test_pass_through_and_multiple_outputs():
     run_both(program)
 
 
-def test_alive_tensor_used_as_is():
+def test_alive_tensor_used_as_is(device):
     """A recomputable tensor still held by the user at backward is not recomputed."""
     s = recompute_scope()
-    a = torch.randn(5, requires_grad=True)
-    c = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
+    c = torch.randn(5, requires_grad=True, device=device)
     with s:
         x = a + a  # nothing inside the block saves anything
     y = (x * c).sum()
@@ -284,11 +284,11 @@ def test_alive_tensor_used_as_is():
     del x, y
 
 
-def test_python_side_effects_happen_once():
+def test_python_side_effects_happen_once(device):
     calls = {"block": 0, "hook": 0}
-    lin = nn.Linear(4, 4)
+    lin = nn.Linear(4, 4).to(device)
     lin.register_forward_hook(lambda m, i, o: calls.__setitem__("hook", calls["hook"] + 1))
-    a = torch.randn(3, 4, requires_grad=True)
+    a = torch.randn(3, 4, requires_grad=True, device=device)
     s = recompute_scope()
     with s:
         calls["block"] += 1
@@ -300,12 +300,12 @@ def test_python_side_effects_happen_once():
     assert calls == {"block": 1, "hook": 1}
 
 
-def test_only_needed_ops_replayed_each_once_per_pass():
+def test_only_needed_ops_replayed_each_once_per_pass(device):
     s = recompute_scope()
-    a = torch.randn(50, requires_grad=True)
-    b = torch.randn(50, requires_grad=True)
-    c = torch.randn(50, requires_grad=True)
-    d = torch.randn(50, requires_grad=True)
+    a = torch.randn(50, requires_grad=True, device=device)
+    b = torch.randn(50, requires_grad=True, device=device)
+    c = torch.randn(50, requires_grad=True, device=device)
+    d = torch.randn(50, requires_grad=True, device=device)
     with s:
         x = a + b
         for _ in range(6):  # recorded, never needed by backward
@@ -343,7 +343,7 @@ _OPS = {
     "mul": lambda x, y: x * torch.tanh(y),
     "mm": lambda x, y: torch.tanh(x @ y.t()) @ y,
     "views": lambda x, y: x.t().reshape(4, 3).t()[:, [0, 1, 2, 3]] * 1.0 + x.reshape(12).view(3, 4),
-    "index": lambda x, y: x[:, _IDX.clone()] - y,
+    "index": lambda x, y: x[:, _IDX.clone().to(x.device)] - y,
     "where": lambda x, y: torch.where(x > 0, x, y),
     "bcast_sum": lambda x, y: x + x.sum(0, keepdim=True) * 0.25,
     "inplace_fresh": lambda x, y: (x * 1.5).mul_(y.tanh()),
@@ -374,9 +374,9 @@ def _grad(t):
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _random_program(steps, points, nested, keep, hold):
+def _random_program(steps, points, nested, keep, hold, device):
     def program(scope):
-        vals = [torch.randn(3, 4, requires_grad=True) for _ in range(3)]
+        vals = [torch.randn(3, 4, requires_grad=True, device=device) for _ in range(3)]
         leaves = list(vals)
         p0, p1, p2, p3 = points
         if nested:
@@ -398,10 +398,10 @@ def _random_program(steps, points, nested, keep, hold):
         loss = sum(((j + 1) * v).sum() for j, v in enumerate(chosen))
         held = [v for j, v in enumerate(vals[3:]) if hold >> j & 1]
         del vals, chosen
-        torch.rand(5)  # random work between forward and backward
+        torch.rand(5, device=device)  # random work between forward and backward
         loss.backward(retain_graph=True)
         first = [_grad(t).clone() for t in leaves]
-        torch.randn(3)
+        torch.randn(3, device=device)
         loss.backward()
         del held
         return dict(loss=loss.detach(), first=first, grads=[_grad(t) for t in leaves])
@@ -410,6 +410,9 @@ def _random_program(steps, points, nested, keep, hold):
 
 
 def _exact(a, b, name):
+    # Bitwise on CUDA too: 3x4 tensors, so the ops listed as nondeterministic there (the
+    # scatters behind sort / max / gather backward, cumsum) have no colliding writes and
+    # a single tile: given the same inputs they run the same arithmetic in the same order.
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
 
 
@@ -430,9 +433,9 @@ _N_EXAMPLES = int(os.environ.get("GS_HYPOTHESIS_EXAMPLES", "0")) or 50
     keep=st.integers(0, 2**10 - 1),
     hold=st.integers(0, 2**10 - 1) | st.just(0),
 )
-def test_random_programs_match_plain(steps, points, nested, keep, hold):
+def test_random_programs_match_plain(steps, points, nested, keep, hold, device):
     points = [min(p, len(steps)) for p in points]
-    program = _random_program(steps, points, nested, keep, hold)
+    program = _random_program(steps, points, nested, keep, hold, device)
     from conftest import PlainScopes, Scopes, assert_interception_gone, global_state
 
     before = global_state()
@@ -446,7 +449,7 @@ def test_random_programs_match_plain(steps, points, nested, keep, hold):
     for k in ("first", "grads"):
         for i, (g, w) in enumerate(zip(got[k], want[k])):
             _exact(g, w, f"{k}[{i}]")
-    after = torch.rand(2)
+    after = torch.rand(2, device=device)
     torch.manual_seed(0)
     program(PlainScopes())
-    assert torch.equal(after, torch.rand(2)), "the RNG stream differs from the plain program's"
+    assert torch.equal(after, torch.rand(2, device=device)), "the RNG stream differs from the plain program's"

@@ -49,13 +49,13 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def train_step(setup=None, call=None, seed=0):
+def train_step(setup=None, call=None, seed=0, device="cpu"):
     """One forward/backward of a fresh Net from ``seed``; returns (loss, grads)."""
     torch.manual_seed(seed)
-    net = Net()
+    net = Net().to(device)
     if setup is not None:
         setup(net)
-    x = torch.randn(4, 5, 16, requires_grad=True)
+    x = torch.randn(4, 5, 16, requires_grad=True, device=device)
     torch.manual_seed(seed + 1)  # dropout masks
     out = net(x) if call is None else call(net, x)
     loss = out.pow(2).sum()
@@ -109,8 +109,8 @@ def test_public_name_and_signature():
     ],
     ids=["defaults", "nonreentrant", "reentrant", "all_flags", "noop_context", "rng"],
 )
-def test_gradients_equal_plain(options):
-    plain = train_step()
+def test_gradients_equal_plain(options, device):
+    plain = train_step(device=device)
 
     def call(net, x):
         for b in net.blocks:
@@ -119,18 +119,20 @@ def test_gradients_equal_plain(options):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no use_reentrant warning, unlike torch's
-        scoped = train_step(call=call)
+        scoped = train_step(call=call, device=device)
     assert_same_step(scoped, plain)
     assert_interception_gone()
 
 
-def test_kwargs_reach_the_function():
-    plain = train_step(call=lambda net, x: net.head(net.blocks[0](x, scale=0.5)))
-    scoped = train_step(call=lambda net, x: net.head(checkpoint(net.blocks[0], x, use_reentrant=False, scale=0.5)))
+def test_kwargs_reach_the_function(device):
+    plain = train_step(call=lambda net, x: net.head(net.blocks[0](x, scale=0.5)), device=device)
+    scoped = train_step(
+        call=lambda net, x: net.head(checkpoint(net.blocks[0], x, use_reentrant=False, scale=0.5)), device=device
+    )
     assert_same_step(scoped, plain)
 
 
-def test_runs_function_once_in_a_scope_outputs_recomputable():
+def test_runs_function_once_in_a_scope_outputs_recomputable(device):
     """The function runs once (no rerun in backward), inside a scope: its output is a
     recompute handle wherever autograd saves it, and dies when the caller drops it."""
     calls = []
@@ -141,9 +143,9 @@ def test_runs_function_once_in_a_scope_outputs_recomputable():
         return torch.tanh(a @ w)
 
     torch.manual_seed(0)
-    a = torch.randn(32, 32)
-    w = torch.randn(32, 32, requires_grad=True)
-    c = torch.randn(32, 32, requires_grad=True)
+    a = torch.randn(32, 32, device=device)
+    w = torch.randn(32, 32, requires_grad=True, device=device)
+    c = torch.randn(32, 32, requires_grad=True, device=device)
 
     original_enter = recompute_scope.__enter__
 
@@ -169,7 +171,7 @@ def test_runs_function_once_in_a_scope_outputs_recomputable():
     assert_interception_gone()
 
 
-def test_preserve_rng_state_false_passes_to_the_scope():
+def test_preserve_rng_state_false_passes_to_the_scope(device):
     seen = []
     original_init = recompute_scope.__init__
 
@@ -179,7 +181,7 @@ def test_preserve_rng_state_false_passes_to_the_scope():
 
     recompute_scope.__init__ = spy
     try:
-        x = torch.randn(4, requires_grad=True)
+        x = torch.randn(4, requires_grad=True, device=device)
         checkpoint(torch.sin, x, preserve_rng_state=False).sum().backward()
     finally:
         recompute_scope.__init__ = original_init
@@ -217,34 +219,34 @@ def test_function_not_callable():
         checkpoint(3, torch.randn(2))
 
 
-def test_function_raising_leaves_no_trace():
+def test_function_raising_leaves_no_trace(device):
     def boom(x):
         torch.sin(x)
         raise KeyError("inside")
 
     with pytest.raises(KeyError, match="inside"):
-        checkpoint(boom, torch.randn(4, requires_grad=True))
+        checkpoint(boom, torch.randn(4, requires_grad=True, device=device))
     assert_interception_gone()
 
 
 @pytest.mark.parametrize(
     "impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["no_reentrant", "reentrant"]
 )
-def test_checkpoint_wrapper(impl):
-    plain = train_step()
+def test_checkpoint_wrapper(impl, device):
+    plain = train_step(device=device)
 
     def setup(net):
         for i, b in enumerate(net.blocks):
             net.blocks[i] = checkpoint_wrapper(b, checkpoint_impl=impl, checkpoint_fn=checkpoint)
 
     # checkpoint_wrapper passes keyword arguments to the function for NO_REENTRANT only.
-    scoped = train_step(setup)
+    scoped = train_step(setup, device=device)
     assert_same_step(scoped, plain)
     assert_interception_gone()
 
 
-def test_apply_activation_checkpointing():
-    plain = train_step()
+def test_apply_activation_checkpointing(device):
+    plain = train_step(device=device)
     used = []
 
     def counting_checkpoint(function, *args, **kwargs):
@@ -255,14 +257,15 @@ def test_apply_activation_checkpointing():
     scoped = train_step(
         lambda net: apply_activation_checkpointing(
             net, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block)
-        )
+        ),
+        device=device,
     )
     assert_same_step(scoped, plain)
     assert len(used) == 3  # one call per block
     assert_interception_gone()
 
 
-def test_checkpoint_wrapper_memory():
+def test_checkpoint_wrapper_memory(device):
     """Activations inside a wrapped block do not outlive forward (weakrefs, no gc)."""
     probes = []
 
@@ -273,7 +276,7 @@ def test_checkpoint_wrapper_memory():
             return x + self.drop(self.fc2(h)) * scale
 
     torch.manual_seed(0)
-    net = nn.Sequential(*(checkpoint_wrapper(Probed(), checkpoint_fn=checkpoint) for _ in range(2)))
-    loss = net(torch.randn(4, 5, 16, requires_grad=True)).sum()
+    net = nn.Sequential(*(checkpoint_wrapper(Probed(), checkpoint_fn=checkpoint) for _ in range(2))).to(device)
+    loss = net(torch.randn(4, 5, 16, requires_grad=True, device=device)).sum()
     assert len(probes) == 2 and all(p() is None for p in probes)
     loss.backward()

@@ -1,7 +1,7 @@
 """Interop with torch.utils.checkpoint (``docs/compatibility.md``).
 
 Every combination of a recompute_scope and torch.utils.checkpoint gives the gradients of
-the plain program (same code, no scope, same seed; ``torch.equal`` on CPU): a scope inside
+the plain program (same code, no scope, same seed; ``torch.equal``, on CPU and CUDA): a scope inside
 a checkpointed function, a checkpoint inside a scope, a scope's tensor flowing into a
 checkpointed function, a checkpoint's output read by a later scope; reentrant and
 non-reentrant checkpoint; selective checkpointing (``context_fn``); early stop on and off,
@@ -40,8 +40,8 @@ def ckpt(fn, *args, reentrant, **kw):
     return checkpoint(fn, *args, use_reentrant=reentrant, **kw)
 
 
-def params(*shapes):
-    return [torch.randn(*s, requires_grad=True) for s in shapes]
+def params(*shapes, device="cpu"):
+    return [torch.randn(*s, requires_grad=True, device=device) for s in shapes]
 
 
 # ----------------------------------------------------------------------------------------
@@ -50,9 +50,9 @@ def params(*shapes):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_inside_checkpoint(reentrant, early_stop):
+def test_scope_inside_checkpoint(reentrant, early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 10), (10, 4), (6, 4))
+        x, w1, w2, c = params((6, 8), (8, 10), (10, 4), (6, 4), device=device)
 
         def fn(inp):
             h = inp @ w1
@@ -75,11 +75,11 @@ def test_scope_inside_checkpoint(reentrant, early_stop):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_whole_checkpointed_function_in_scope(reentrant, early_stop):
+def test_whole_checkpointed_function_in_scope(reentrant, early_stop, device):
     """The checkpointed function's whole body is a scope; its output leaves the block."""
 
     def program(scope):
-        x, w1, w2 = params((5, 7), (7, 9), (9, 3))
+        x, w1, w2 = params((5, 7), (7, 9), (9, 3), device=device)
 
         def fn(inp):
             with scope():
@@ -102,9 +102,9 @@ def test_whole_checkpointed_function_in_scope(reentrant, early_stop):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpoint_inside_scope(reentrant, early_stop):
+def test_checkpoint_inside_scope(reentrant, early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
+        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5), device=device)
 
         def fn(h):
             return torch.sigmoid(h @ w2) * h.sum(dim=1, keepdim=True)
@@ -124,11 +124,11 @@ def test_checkpoint_inside_scope(reentrant, early_stop):
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_nested_scope_checkpoint_scope(reentrant):
+def test_nested_scope_checkpoint_scope(reentrant, device):
     """scope > checkpoint > scope."""
 
     def program(scope):
-        x, w1, w2 = params((4, 6), (6, 6), (6, 6))
+        x, w1, w2 = params((4, 6), (6, 6), (6, 6), device=device)
 
         def fn(h):
             with scope():
@@ -151,9 +151,9 @@ def test_nested_scope_checkpoint_scope(reentrant):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_tensor_into_checkpoint(reentrant, early_stop):
+def test_scope_tensor_into_checkpoint(reentrant, early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
+        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5), device=device)
         with scope():
             h = F.gelu(x @ w1)
             v = h.t()  # a view of a block tensor, passed in too
@@ -173,9 +173,9 @@ def test_scope_tensor_into_checkpoint(reentrant, early_stop):
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpoint_output_read_by_later_scope(reentrant, early_stop):
+def test_checkpoint_output_read_by_later_scope(reentrant, early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
+        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5), device=device)
 
         def fn(a):
             return torch.sigmoid(a @ w1) * a
@@ -195,11 +195,11 @@ def test_checkpoint_output_read_by_later_scope(reentrant, early_stop):
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_scope_checkpoint_scope_chain(reentrant):
+def test_scope_checkpoint_scope_chain(reentrant, device):
     """scope -> checkpoint -> scope, tensors flowing along and all dropped before backward."""
 
     def program(scope):
-        x, w1, w2, w3 = params((5, 6), (6, 6), (6, 6), (6, 2))
+        x, w1, w2, w3 = params((5, 6), (6, 6), (6, 6), (6, 2), device=device)
         with scope():
             a = (x @ w1).tanh()
         b = ckpt(lambda t: (t @ w2).sigmoid() * t, a, reentrant=reentrant)
@@ -226,9 +226,9 @@ def _policy(ctx, op, *args, **kwargs):
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_scope_inside_selective_checkpoint(early_stop):
+def test_scope_inside_selective_checkpoint(early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
+        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5), device=device)
 
         def fn(a):
             h = a @ w1
@@ -250,9 +250,9 @@ def test_scope_inside_selective_checkpoint(early_stop):
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_selective_checkpoint_inside_scope(early_stop):
+def test_selective_checkpoint_inside_scope(early_stop, device):
     def program(scope):
-        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5))
+        x, w1, w2, c = params((6, 8), (8, 8), (8, 5), (6, 5), device=device)
 
         def fn(a):
             return (a @ w2).sigmoid() * (a @ w2).sin()
@@ -274,11 +274,11 @@ def test_selective_checkpoint_inside_scope(early_stop):
     assert_stacks_clean()
 
 
-def test_selective_checkpoint_with_scope_save_option():
+def test_selective_checkpoint_with_scope_save_option(device):
     """Both a save= policy on the scope and a SAC policy on the checkpoint."""
 
     def program(scope):
-        x, w1, w2 = params((6, 8), (8, 8), (8, 8))
+        x, w1, w2 = params((6, 8), (8, 8), (8, 8), device=device)
 
         def fn(a):
             with scope(save=[torch.ops.aten.mm]):
@@ -303,12 +303,12 @@ def test_selective_checkpoint_with_scope_save_option():
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_early_stop_abort_inside_open_scope(early_stop):
+def test_early_stop_abort_inside_open_scope(early_stop, device):
     after_stop = []  # Python side effect after the last tensor checkpoint counts
 
     def program(scope):
         after_stop.clear()
-        x, w, v = params((5, 6), (6, 6), (6, 6))
+        x, w, v = params((5, 6), (6, 6), (6, 6), device=device)
 
         def fn(a):
             with scope():
@@ -341,11 +341,11 @@ def test_early_stop_abort_inside_open_scope(early_stop):
 
 
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
-def test_early_stop_abort_nested_scopes_open(early_stop):
+def test_early_stop_abort_nested_scopes_open(early_stop, device):
     """Two nested scopes open when the recomputation is aborted; training continues."""
 
     def program(scope):
-        x, w = params((4, 5), (5, 5))
+        x, w = params((4, 5), (5, 5), device=device)
         outs = []
         for _ in range(2):  # a second step after the aborted recomputation
             def fn(a):
@@ -371,9 +371,9 @@ def test_early_stop_abort_nested_scopes_open(early_stop):
 
 
 @pytest.mark.parametrize("reentrant", [pytest.param(False, id="nonreentrant")])
-def test_checkpoint_retain_graph_twice(reentrant):
+def test_checkpoint_retain_graph_twice(reentrant, device):
     def program(scope):
-        x, w = params((4, 6), (6, 6))
+        x, w = params((4, 6), (6, 6), device=device)
 
         def fn(a):
             with scope():
@@ -392,7 +392,7 @@ def test_checkpoint_retain_graph_twice(reentrant):
 
 
 @pytest.mark.parametrize("reentrant", REENTRANT)
-def test_checkpointed_module_training_steps(reentrant):
+def test_checkpointed_module_training_steps(reentrant, device):
     """A small model: checkpointed blocks with scopes inside, three SGD steps."""
 
     class Block(torch.nn.Module):
@@ -408,11 +408,11 @@ def test_checkpointed_module_training_steps(reentrant):
             return x + self.fc2(h)
 
     def program(scope):
-        blocks = torch.nn.ModuleList([Block() for _ in range(2)])
+        blocks = torch.nn.ModuleList([Block() for _ in range(2)]).to(device)
         opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
         losses = []
         for _ in range(3):
-            x = torch.randn(4, 8, requires_grad=reentrant)
+            x = torch.randn(4, 8, requires_grad=reentrant, device=device)
             opt.zero_grad()
             for b in blocks:
                 x = checkpoint(b, x, scope, use_reentrant=reentrant)

@@ -30,14 +30,14 @@ def _forward_frontier(scope, a, w, view):
     return (e * w).sum() + ScratchBackward.apply(xs).sum()
 
 
-def _leaves():
-    return torch.randn(4, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+def _leaves(device):
+    return torch.randn(4, 3, requires_grad=True, device=device), torch.randn(4, 3, requires_grad=True, device=device)
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["tensor", "view_after_block"])
-def test_write_to_unpacked_tensor_does_not_reach_other_handles(view):
+def test_write_to_unpacked_tensor_does_not_reach_other_handles(view, device):
     def program(scope):
-        a, w = _leaves()
+        a, w = _leaves(device=device)
         _forward_frontier(scope, a, w, view).backward()
         return grads({"a": a, "w": w})
 
@@ -49,17 +49,17 @@ def test_write_to_unpacked_tensor_does_not_reach_other_handles(view):
 
     # torch.utils.checkpoint gives the same gradients.
     torch.manual_seed(0)
-    a, w = _leaves()
+    a, w = _leaves(device=device)
     loss = checkpoint(lambda a, w: _forward_frontier(PlainScopes(), a, w, view), a, w, use_reentrant=False)
     loss.backward()
     assert_all_same(grads({"a": a, "w": w}), expected)
 
 
-def test_intermediate_saved_by_forward_written_by_backward():
+def test_intermediate_saved_by_forward_written_by_backward(device):
     # The Function's own forward ops are recorded into the block (R3); its saved
     # exp(x) is a block tensor, and so is the copy of exp(x) read after it.
     def program(scope):
-        a, w = _leaves()
+        a, w = _leaves(device=device)
 
         def fwd():
             with scope():
@@ -78,12 +78,12 @@ def test_intermediate_saved_by_forward_written_by_backward():
     assert_all_same(actual, expected)
 
 
-def test_second_unpack_of_the_written_tensor_raises_as_plain():
+def test_second_unpack_of_the_written_tensor_raises_as_plain(device):
     # Two saves of the same tensor: the second unpack sees the first backward's write.
     # PyTorch raises its in-place error; so must the scope (never the rebuilt value of
     # a tensor that autograd would hand back written).
     def program(scope):
-        a, _ = _leaves()
+        a, _ = _leaves(device=device)
 
         def fwd():
             with scope():
@@ -100,7 +100,7 @@ def test_second_unpack_of_the_written_tensor_raises_as_plain():
         program(Scopes())
 
 
-def test_served_value_is_not_copied():
+def test_served_value_is_not_copied(device):
     # The common path hands out the replayed value itself (no defensive copy): two
     # handles of one tensor unpacked in one pass get the same storage.
     seen = []
@@ -117,7 +117,7 @@ def test_served_value_is_not_copied():
             seen.append(t.data_ptr())
             return g
 
-    a, _ = _leaves()
+    a, _ = _leaves(device=device)
 
     def fwd():
         with Scopes()():
@@ -129,12 +129,12 @@ def test_served_value_is_not_copied():
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
-def test_two_saves_of_one_tensor_share_storage_as_in_plain(debug):
+def test_two_saves_of_one_tensor_share_storage_as_in_plain(debug, device):
     # Plain autograd hands both unpacks the same storage, so the backward's writes
     # compound; the scope's two handles must get one value too (with debug=True as
     # well, where the tensor is kept alive for the comparison but still replayed).
     def program(scope):
-        a0, w = _leaves()
+        a0, w = _leaves(device=device)
 
         def fwd():
             with scope():
@@ -152,7 +152,7 @@ def test_two_saves_of_one_tensor_share_storage_as_in_plain(debug):
     assert_all_same(actual, expected)
 
 
-def test_double_backward_of_a_writing_backward_follows_saved_tensor_hooks():
+def test_double_backward_of_a_writing_backward_follows_saved_tensor_hooks(device):
     # Differentiating again (create_graph=True) through a backward that writes its
     # unpacked tensors in place: under *any* saved-tensor hooks, even identity ones,
     # PyTorch builds another double-backward graph than without hooks, so the scope
@@ -160,11 +160,11 @@ def test_double_backward_of_a_writing_backward_follows_saved_tensor_hooks():
     # (docs/limitations.md). First-order gradients are plain's.
     def program(ctx_for_block, ctx_for_all):
         torch.manual_seed(0)
-        a0 = torch.randn(4, 4, requires_grad=True)
-        w = torch.randn(4, 4)
+        a0 = torch.randn(4, 4, requires_grad=True, device=device)
+        w = torch.randn(4, 4, device=device)
         with ctx_for_all():
             with ctx_for_block():
-                y = a0[:, torch.randperm(4)]
+                y = a0[:, torch.randperm(4, device=device)]
             z = ScratchPair.apply(y, y)
         loss = (z * w).sum()
         del y

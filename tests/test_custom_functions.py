@@ -32,11 +32,11 @@ class _ExpSavesOutput(torch.autograd.Function):
         return g * y
 
 
-def test_custom_function_saving_its_output_under_the_hooks_leaks_nothing():
+def test_custom_function_saving_its_output_under_the_hooks_leaks_nothing(device):
     """A custom Function's output saved by the Function itself, while the scope's hooks
     are on the stack, is kept as a detached alias (as autograd keeps an output): holding
     the output itself would be a reference cycle through its own node."""
-    w = leaf(4)
+    w = leaf(4, device=device)
     with recompute_scope():
         h = w * 2.0
     y = _ExpSavesOutput.apply(w)
@@ -48,7 +48,7 @@ def test_custom_function_saving_its_output_under_the_hooks_leaks_nothing():
 
 
 @pytest.mark.parametrize("where", ["inside", "after_block_hooks_alive"])
-def test_outside_tensor_saved_by_function_comes_back_as_same_object(where):
+def test_outside_tensor_saved_by_function_comes_back_as_same_object(where, device):
     """PyTorch's checkpoint identity test, with a scope: an autograd.Function saves an
     outside tensor (no grad) with ctx.save_for_backward; backward gets that very object."""
     seen = []
@@ -65,8 +65,8 @@ def test_outside_tensor_saved_by_function_comes_back_as_same_object(where):
             seen.append(saved)
             return g * saved, None
 
-    a = leaf(3)
-    b = torch.randn(3)
+    a = leaf(3, device=device)
+    b = torch.randn(3, device=device)
     keep = None
     if where == "inside":
         with recompute_scope():
@@ -95,10 +95,10 @@ class _SaveAndUse(torch.autograd.Function):
         return g * w, g * x
 
 
-def test_custom_function_saving_block_tensors():
+def test_custom_function_saving_block_tensors(device):
     def program(scope):
-        a = torch.randn(4, 3, requires_grad=True)
-        w = torch.randn(4, 3, requires_grad=True)
+        a = torch.randn(4, 3, requires_grad=True, device=device)
+        w = torch.randn(4, 3, requires_grad=True, device=device)
         with scope():
             x = a.exp()
             z = _SaveAndUse.apply(x, w)  # saved inside the block

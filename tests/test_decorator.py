@@ -33,7 +33,7 @@ def _compare(make_fn, inputs_fn, seed=0):
         fn = make_fn(decorated)
         inputs = inputs_fn()
         out = fn(*inputs)
-        torch.rand(3)  # random work between forward and backward
+        torch.rand(3, device=inputs[0].device)  # random work between forward and backward
         out.float().sum().backward()
         results.append([out.detach()] + [t.grad for t in inputs if t.requires_grad])
     got, want = results
@@ -46,11 +46,11 @@ def _body(h, w):
     return F.dropout(F.gelu(h @ w), 0.3, training=True).sin()
 
 
-def _inputs():
-    return [torch.randn(4, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)]
+def _inputs(device):
+    return [torch.randn(4, 6, requires_grad=True, device=device), torch.randn(6, 6, requires_grad=True, device=device)]
 
 
-def test_recompute_scope_call_decorator():
+def test_recompute_scope_call_decorator(device):
     probes = []
 
     def make(decorated):
@@ -61,11 +61,11 @@ def test_recompute_scope_call_decorator():
 
         return recompute_scope()(f) if decorated else f
 
-    _compare(make, _inputs)
+    _compare(make, lambda: _inputs(device))
     assert probes[0]() is None  # decorated: the intermediate died
 
 
-def test_decorator_syntax_forms():
+def test_decorator_syntax_forms(device):
     @recompute_scope()
     def f1(h, w):
         return _body(h, w) * 2
@@ -89,17 +89,17 @@ def test_decorator_syntax_forms():
         return torch.tanh(h @ w).exp() * 2
 
     for fn, ref in ((f1, plain), (f2, plain), (f3, plain3), (f4, plain)):
-        _compare(lambda d, fn=fn, ref=ref: fn if d else ref, _inputs)
+        _compare(lambda d, fn=fn, ref=ref: fn if d else ref, lambda: _inputs(device))
     assert_interception_gone()
 
 
-def test_decorator_preserves_return_structure_and_kwargs():
+def test_decorator_preserves_return_structure_and_kwargs(device):
     @recompute
     def f(h, *, w, scale=1.0):
         t = torch.tanh(h @ w)
         return {"out": t * scale, "aux": (t.exp(), 3)}
 
-    h, w = _inputs()
+    h, w = _inputs(device)
     res = f(h, w=w, scale=2.0)
     assert set(res) == {"out", "aux"} and res["aux"][1] == 3
     (res["out"].sum() + res["aux"][0].sum()).backward()
@@ -109,7 +109,7 @@ def test_decorator_preserves_return_structure_and_kwargs():
     assert torch.equal(h.grad, h2.grad) and torch.equal(w.grad, w2.grad)
 
 
-def test_each_call_is_its_own_region():
+def test_each_call_is_its_own_region(device):
     calls = []
 
     @recompute_scope()
@@ -121,7 +121,7 @@ def test_each_call_is_its_own_region():
         return torch.sigmoid(h * 3).exp()
 
     torch.manual_seed(0)
-    a = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
     y = block(a) * block(a.flip(0))  # two regions alive side by side
     z = block(y)  # a third one reading their product
     z.sum().backward()
@@ -181,19 +181,19 @@ class NoRngPlain(_Core):
 
 
 @pytest.mark.parametrize("cls,ref_cls", [(BareMod, PlainMod), (CallMod, PlainMod), (NoRngMod, NoRngPlain)])
-def test_module_forward_decorated(cls, ref_cls):
+def test_module_forward_decorated(cls, ref_cls, device):
     results = []
     for c in (cls, ref_cls):
         torch.manual_seed(0)
-        m = c()
+        m = c().to(device)
         hook_calls = []
         m.fc1.register_forward_hook(lambda *a: hook_calls.append(1))
-        x = torch.randn(3, 5, 8, requires_grad=True)  # 3-D: F.linear reshapes
+        x = torch.randn(3, 5, 8, requires_grad=True, device=device)  # 3-D: F.linear reshapes
         for _ in range(2):
             out = m(x) + m(x * 2)
             if c is cls:
                 assert m.probe() is None, "decorated forward keeps its activation alive"
-            torch.rand(4)
+            torch.rand(4, device=device)
             out.pow(2).sum().backward()
         results.append((grads(dict(x=x, m=m)), m.calls, len(hook_calls)))
         del out
@@ -204,12 +204,12 @@ def test_module_forward_decorated(cls, ref_cls):
     assert_interception_gone()
 
 
-def test_decorated_method_on_instances_is_bound_correctly():
-    a, b = BareMod(), BareMod()
+def test_decorated_method_on_instances_is_bound_correctly(device):
+    a, b = BareMod().to(device), BareMod().to(device)
     with torch.no_grad():
         for p in b.parameters():
             p.mul_(2)
-    x = torch.randn(2, 8)
+    x = torch.randn(2, 8, device=device)
     torch.manual_seed(1)
     ya = a(x)
     torch.manual_seed(1)
@@ -264,14 +264,14 @@ def _inner_plain(h, w):
     [(_rec_dec, _rec_plain), (_rec_scope, _rec_plain)],
     ids=["recompute", "recompute_scope()"],
 )
-def test_recursive(fn, ref):
+def test_recursive(fn, ref, device):
     results = []
     for f in (fn, ref):
         torch.manual_seed(0)
-        h = torch.randn(3, 4, requires_grad=True)
-        w = torch.randn(4, 4, requires_grad=True)
+        h = torch.randn(3, 4, requires_grad=True, device=device)
+        w = torch.randn(4, 4, requires_grad=True, device=device)
         out = f(h, w, 5)
-        torch.randn(3)
+        torch.randn(3, device=device)
         out.sum().backward(retain_graph=True)
         out.sum().backward()
         results.append((out.detach(), h.grad, w.grad))
@@ -280,12 +280,12 @@ def test_recursive(fn, ref):
     assert_interception_gone()
 
 
-def test_reentrant_decorated_calls_decorated():
+def test_reentrant_decorated_calls_decorated(device):
     results = []
     for f in (_outer_dec, _outer_plain):
         torch.manual_seed(0)
-        h = torch.randn(4, 4, requires_grad=True)
-        w = torch.randn(4, 4, requires_grad=True)
+        h = torch.randn(4, 4, requires_grad=True, device=device)
+        w = torch.randn(4, 4, requires_grad=True, device=device)
         out = f(h, w)
         out.sum().backward()
         results.append((out.detach(), h.grad, w.grad))
@@ -297,11 +297,11 @@ def test_reentrant_decorated_calls_decorated():
 # enabled=False
 
 
-def test_enabled_false_is_a_plain_block():
+def test_enabled_false_is_a_plain_block(device):
     before = global_state()
     s = recompute_scope(enabled=False)
-    a = torch.randn(5, requires_grad=True)
-    c = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
+    c = torch.randn(5, requires_grad=True, device=device)
     with s:
         assert dispatch_depth() == before["dispatch_stack_len"]
         x = a.sin() + 1
@@ -317,7 +317,7 @@ def test_enabled_false_is_a_plain_block():
     assert torch.equal(c.grad, a.detach().sin() + 1)
 
 
-def test_enabled_false_decorator():
+def test_enabled_false_decorator(device):
     calls = []
 
     @recompute(enabled=False)
@@ -327,7 +327,7 @@ def test_enabled_false_decorator():
         calls.append(weakref.ref(t))
         return t * h
 
-    a = torch.randn(4, requires_grad=True)
+    a = torch.randn(4, requires_grad=True, device=device)
     y = f(a)
     assert calls[1]() is not None  # plain autograd keeps exp's output
     y.sum().backward()
@@ -367,7 +367,7 @@ def _recomputable(holder: list, index: int) -> bool:
     made outside any block stays alive, held by the graph.)  Takes it out of holder."""
     t = holder[index]
     holder[index] = None
-    y = t * leaf(*t.shape)
+    y = t * leaf(*t.shape, device=t.device)
     r = weakref.ref(t)
     del t
     alive = r() is not None
@@ -375,8 +375,8 @@ def _recomputable(holder: list, index: int) -> bool:
     return not alive
 
 
-def test_recomputable_probe_tells_block_tensors_apart():
-    a = leaf(5)
+def test_recomputable_probe_tells_block_tensors_apart(device):
+    a = leaf(5, device=device)
     assert not _recomputable([a.sin()], 0)
     with recompute_scope():
         h = a.sin()
@@ -387,7 +387,7 @@ def test_recomputable_probe_tells_block_tensors_apart():
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
-def test_decorated_generator_function(deco):
+def test_decorated_generator_function(deco, device):
     """A generator function: TypeError at decoration, or each resumption recorded (the
     tensors it makes between yields are recomputable) with plain gradients."""
 
@@ -402,11 +402,11 @@ def test_decorated_generator_function(deco):
     except TypeError:
         assert_stacks_clean()
         return
-    assert inspect.isgeneratorfunction(g) or inspect.isgenerator(g(leaf(1))), (
+    assert inspect.isgeneratorfunction(g) or inspect.isgenerator(g(leaf(1, device=device))), (
         "decorating a generator function gave a function that is not a generator function"
     )
-    a = leaf(5)
-    c = torch.randn(5)
+    a = leaf(5, device=device)
+    c = torch.randn(5, device=device)
     outs = list(g(a))
     assert _recomputable(outs, 0), "tensor made before the first yield is not recorded"
     assert _recomputable(outs, 1), "tensor made after a resumption is not recorded"
@@ -425,7 +425,7 @@ def test_decorated_generator_function(deco):
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
-def test_decorated_async_function(deco):
+def test_decorated_async_function(deco, device):
     async def co(x):
         y = x.sin()
         await _Yield()
@@ -437,8 +437,8 @@ def test_decorated_async_function(deco):
         assert_stacks_clean()
         return
     assert inspect.iscoroutinefunction(f), "decorating an async def gave a function that is not async"
-    a = leaf(5)
-    c = torch.randn(5)
+    a = leaf(5, device=device)
+    c = torch.randn(5, device=device)
     held = list(_drive(f(a)))
     assert _recomputable(held, 0), "tensor made before the await is not recorded"
     assert _recomputable(held, 1), "tensor made after the await is not recorded"
@@ -452,7 +452,7 @@ def test_decorated_async_function(deco):
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
-def test_decorated_async_generator(deco):
+def test_decorated_async_generator(deco, device):
     async def agen(x):
         y = x.sin()
         yield y
@@ -469,7 +469,7 @@ def test_decorated_async_generator(deco):
     async def collect(x):
         return [v async for v in f(x)]
 
-    a = leaf(5)
+    a = leaf(5, device=device)
     outs = _drive(collect(a))
     assert _recomputable(outs, 0), "tensor made before the first yield is not recorded"
     assert _recomputable(outs, 1), "tensor made after a resumption is not recorded"
@@ -478,7 +478,7 @@ def test_decorated_async_generator(deco):
 
 
 @pytest.mark.parametrize("deco", list(DECORATORS))
-def test_decorated_class(deco):
+def test_decorated_class(deco, device):
     """A class: TypeError at decoration, or still a class whose instances' forward runs
     in a scope (not silently replaced by a function)."""
 
@@ -494,6 +494,6 @@ def test_decorated_class(deco):
     assert inspect.isclass(C), f"decorating a class returned {type(C).__name__}, not a class"
     m = C()
     assert isinstance(m, C) and isinstance(m, nn.Module)
-    a = leaf(5)
+    a = leaf(5, device=device)
     assert _recomputable([m(a)], 0), "the decorated class's forward is not recorded"
     assert_stacks_clean()

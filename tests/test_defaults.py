@@ -5,6 +5,8 @@ plain program's.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,14 +28,20 @@ FACTORIES = {
 }
 
 
+def _made_on(device):
+    """Factories without a device make their tensors on ``device`` (on CUDA through
+    ``with torch.device(...)``; on CPU nothing is changed)."""
+    return contextlib.nullcontext() if device == "cpu" else torch.device(device)
+
+
 @pytest.mark.parametrize("factory", list(FACTORIES))
-def test_set_default_dtype_between_forward_and_backward(factory):
+def test_set_default_dtype_between_forward_and_backward(factory, device):
     """Factories replay with the dtype forward resolved, whatever the default is when
     backward runs."""
 
     def program(scope):
-        a = leaf(4, 4)
-        with scope():
+        a = leaf(4, 4, device=device)
+        with _made_on(device), scope():
             h = a * FACTORIES[factory]()
             h = h.sin()
         y = h * h
@@ -50,10 +58,10 @@ def test_set_default_dtype_between_forward_and_backward(factory):
     check(program, must_work=True)
 
 
-def test_set_default_device_between_forward_and_backward():
+def test_set_default_device_between_forward_and_backward(device):
     def program(scope):
-        a = leaf(4, 4)
-        with scope():
+        a = leaf(4, 4, device=device)
+        with _made_on(device), scope():
             h = (a * torch.ones(4, 4)).sin() + torch.arange(4.0)
         y = h * h
         del h

@@ -94,14 +94,14 @@ class SaveOnCpu:
             self.ctx.__exit__(None, None, None)
 
 
-def run_script(script, real, hook_cls, style):
+def run_script(script, real, hook_cls, style, device):
     """Run the script; return (results dict, hooks, scope or None)."""
     torch.manual_seed(0)
-    a = torch.randn(2, 3, requires_grad=True)
-    w = torch.randn(3, 5, requires_grad=True)
-    c = torch.randn(5, 7, requires_grad=True)
-    d = torch.randn(2, 7, requires_grad=True)
-    e = torch.randn(4, 4, requires_grad=True)
+    a = torch.randn(2, 3, requires_grad=True, device=device)
+    w = torch.randn(3, 5, requires_grad=True, device=device)
+    c = torch.randn(5, 7, requires_grad=True, device=device)
+    d = torch.randn(2, 7, requires_grad=True, device=device)
+    e = torch.randn(4, 4, requires_grad=True, device=device)
     hooks = {}
     scope = None
     env = {}
@@ -205,16 +205,16 @@ STYLES = ["call", "with"]
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_recording_hook_receives_per_contract(name, style):
+def test_recording_hook_receives_per_contract(name, style, device):
     script = SCRIPTS[name]
     script_h = script.replace("H+", "H0+").replace("H-", "H0-")
-    plain, plain_hooks, _ = run_script(script_h, False, Recorder, style)
+    plain, plain_hooks, _ = run_script(script_h, False, Recorder, style, device)
     want_plain, _ = expected_packs(script_h, False)
     for hname, h in plain_hooks.items():  # sanity of the model on plain PyTorch
         assert collections.Counter(h.packed) == want_plain[hname], (hname, h.packed)
     del plain_hooks
 
-    actual, hooks, scope = run_script(script_h, True, Recorder, style)
+    actual, hooks, scope = run_script(script_h, True, Recorder, style, device)
     want, handles = expected_packs(script_h, True)
     problems = []
     for hname, h in hooks.items():
@@ -238,10 +238,10 @@ def test_recording_hook_receives_per_contract(name, style):
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_save_on_cpu_gradients(name, style):
+def test_save_on_cpu_gradients(name, style, device):
     script = SCRIPTS[name].replace("H+", "H0+").replace("H-", "H0-")
-    plain, _, _ = run_script(script, False, SaveOnCpu, style)
-    actual, hooks, scope = run_script(script, True, SaveOnCpu, style)
+    plain, _, _ = run_script(script, False, SaveOnCpu, style, device)
+    actual, hooks, scope = run_script(script, True, SaveOnCpu, style, device)
     del hooks, scope
     for k in plain:
         assert torch.equal(actual[k], plain[k]), k
@@ -252,7 +252,7 @@ def test_save_on_cpu_gradients(name, style):
 # the same, written as literal with statements
 
 
-def test_literal_with_around_scope_tensors_outlive_hook():
+def test_literal_with_around_scope_tensors_outlive_hook(device):
     """with save_on_cpu(): with scope: ...  -- block tensors still alive (and saved again)
     after save_on_cpu's with statement ends."""
     from gradient_scope import recompute_scope
@@ -263,8 +263,8 @@ def test_literal_with_around_scope_tensors_outlive_hook():
         got.append(tuple(t.shape))
         return t.detach()
 
-    a = torch.randn(2, 3, requires_grad=True)
-    w = torch.randn(3, 5, requires_grad=True)
+    a = torch.randn(2, 3, requires_grad=True, device=device)
+    w = torch.randn(3, 5, requires_grad=True, device=device)
     with saved_tensors_hooks(pack, lambda t: t):
         with recompute_scope():
             x = a.exp()
@@ -278,7 +278,7 @@ def test_literal_with_around_scope_tensors_outlive_hook():
     assert_stacks_clean()
 
 
-def test_literal_with_hook_inside_scope():
+def test_literal_with_hook_inside_scope(device):
     from gradient_scope import recompute_scope
 
     got = []
@@ -287,8 +287,8 @@ def test_literal_with_hook_inside_scope():
         got.append(tuple(t.shape))
         return t.detach()
 
-    a = torch.randn(2, 3, requires_grad=True)
-    w = torch.randn(3, 5, requires_grad=True)
+    a = torch.randn(2, 3, requires_grad=True, device=device)
+    w = torch.randn(3, 5, requires_grad=True, device=device)
     with recompute_scope() as s:
         with saved_tensors_hooks(pack, lambda t: t):
             x = a.exp()  # saves x: the hook is innermost, it gets x
@@ -303,7 +303,7 @@ def test_literal_with_hook_inside_scope():
     assert_stacks_clean()
 
 
-def test_hook_between_nested_scopes():
+def test_hook_between_nested_scopes(device):
     """with S1: ... with H: ... with S2: ...  H (entered inside S1, still open) gets S1's
     block tensors; S2 was entered inside H, so S2's block tensors stay recomputable."""
     from gradient_scope import recompute_scope
@@ -314,8 +314,8 @@ def test_hook_between_nested_scopes():
         got.append(tuple(t.shape))
         return t.detach()
 
-    a = torch.randn(2, 3, requires_grad=True)
-    b = torch.randn(1, 3, requires_grad=True)
+    a = torch.randn(2, 3, requires_grad=True, device=device)
+    b = torch.randn(1, 3, requires_grad=True, device=device)
     with recompute_scope() as s1:
         p = a.exp()  # S1 tensor, saved while S1's interception is innermost: a handle
         with saved_tensors_hooks(pack, lambda t: t):

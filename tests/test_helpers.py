@@ -28,6 +28,9 @@ from gradient_scope import (
 
 from conftest import assert_interception_gone, global_state
 
+# The tests that compute run on both devices (the ``device`` fixture); those that check
+# only how modules are wrapped, selected or validated compute nothing device-specific.
+
 aten = torch.ops.aten
 D = 16
 
@@ -48,7 +51,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         probs = self.drop(att.softmax(dim=-1))
         self.probe = weakref.ref(probs.untyped_storage())
         return self.proj((probs @ v).transpose(1, 2).reshape(B, T, C))
@@ -97,21 +100,21 @@ def is_block(m):
     return isinstance(m, Block)
 
 
-def tokens(seed=1, shape=(2, 6)):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(11, shape, generator=g)
+def tokens(seed=1, shape=(2, 6), device="cpu"):
+    g = torch.Generator().manual_seed(seed)  # (drawn on the CPU: the same tokens on every device)
+    return torch.randint(11, shape, generator=g).to(device)
 
 
-def train(setup=None, steps=2, seed=0, after_forward=None):
+def train(setup=None, steps=2, seed=0, after_forward=None, device="cpu"):
     """Train a fresh GPT a few steps; return losses, grads of the last step, params."""
     torch.manual_seed(seed)
-    model = GPT()
+    model = GPT().to(device)
     if setup is not None:
         setup(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        idx = tokens(step)
+        idx = tokens(step, device=device)
         opt.zero_grad()
         logits = model(idx)
         loss = F.cross_entropy(logits.view(-1, 11), idx.view(-1))
@@ -161,9 +164,9 @@ def test_public_names():
     [{}, {"save": save_matmuls}, {"save": [aten.addmm, aten.bmm]}, {"preserve_rng_state": True}],
     ids=["all", "save_matmuls", "save_list", "rng"],
 )
-def test_apply_recompute_gradients_equal_plain(options):
-    plain = train()
-    scoped = train(lambda m: apply_recompute(m, check_fn=is_block, **options))
+def test_apply_recompute_gradients_equal_plain(options, device):
+    plain = train(device=device)
+    scoped = train(lambda m: apply_recompute(m, check_fn=is_block, **options), device=device)
     assert_same_run(scoped, plain)
 
 
@@ -173,10 +176,10 @@ def _no_dropout(model):
             m.p = 0.0
 
 
-def test_apply_recompute_debug_option():
+def test_apply_recompute_debug_option(device):
     # Without dropout: debug=True flags CPU dropout's empty_like as a mismatch (core issue).
-    plain = train(_no_dropout)
-    scoped = train(lambda m: (_no_dropout(m), apply_recompute(m, check_fn=is_block, debug=True)))
+    plain = train(_no_dropout, device=device)
+    scoped = train(lambda m: (_no_dropout(m), apply_recompute(m, check_fn=is_block, debug=True)), device=device)
     assert_same_run(scoped, plain)
 
 
@@ -185,7 +188,7 @@ def test_apply_recompute_debug_option():
     [({}, set()), ({"save": save_matmuls}, {"fc1"}), ({"enabled": False}, {"probs", "fc1", "gelu"})],
     ids=["all", "save_matmuls", "disabled"],
 )
-def test_apply_recompute_memory(entered_scopes, options, expect_alive):
+def test_apply_recompute_memory(entered_scopes, options, expect_alive, device):
     """Held after forward: block activations die (storage weakrefs, no gc.collect()),
     autograd keeps handles instead (bytes_packed > 0); matmul outputs stay with
     save_matmuls."""
@@ -196,10 +199,12 @@ def test_apply_recompute_memory(entered_scopes, options, expect_alive):
             seen["alive"] = model.alive()
             seen["scopes"] = list(entered_scopes)
 
-    train(steps=1, after_forward=after_forward)  # control: plain keeps all of them
+    train(steps=1, after_forward=after_forward, device=device)  # control: plain keeps all of them
     assert all(all(b.values()) for b in seen["alive"]), seen["alive"]
     entered_scopes.clear()
-    train(lambda m: apply_recompute(m, check_fn=is_block, **options), steps=1, after_forward=after_forward)
+    train(
+        lambda m: apply_recompute(m, check_fn=is_block, **options), steps=1, after_forward=after_forward, device=device
+    )
     for block in seen["alive"]:
         assert {k for k, alive in block.items() if alive} == expect_alive, seen["alive"]
     assert len(seen["scopes"]) == 2  # one per block call
@@ -207,11 +212,11 @@ def test_apply_recompute_memory(entered_scopes, options, expect_alive):
         assert all(s.stats.bytes_packed > 0 for s in seen["scopes"])
 
 
-def test_apply_recompute_each_call_its_own_scope(entered_scopes):
+def test_apply_recompute_each_call_its_own_scope(entered_scopes, device):
     torch.manual_seed(0)
-    block = Block()
+    block = Block().to(device)
     apply_recompute(block, check_fn=lambda m: m is block, save=save_matmuls)  # the root
-    x = torch.randn(2, 4, D)
+    x = torch.randn(2, 4, D, device=device)
     y = block(block(x))  # twice: two independent scopes
     assert len(entered_scopes) == 2 and entered_scopes[0] is not entered_scopes[1]
     assert all("save_matmuls" in repr(s) for s in entered_scopes)
@@ -229,9 +234,9 @@ def _snapshot(model):
     }
 
 
-def test_remove_recompute_round_trip():
+def test_remove_recompute_round_trip(device):
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT().to(device)
     # one module with a forward instance attribute of its own
     own = functools.partial(Block.forward, model.blocks[1])
     model.blocks[1].forward = own
@@ -264,7 +269,7 @@ def test_remove_recompute_round_trip():
     assert model.blocks[1].forward is own  # the module's own instance attribute, as it was
     assert Block.forward is class_forward
     # behaviour: still the same computation
-    idx = tokens()
+    idx = tokens(device=device)
     torch.manual_seed(3)
     out = model(idx)
     torch.manual_seed(3)
@@ -276,25 +281,25 @@ def test_remove_recompute_round_trip():
     assert remove_recompute(model) is model  # idempotent
 
 
-def test_remove_then_plain_forward_stores_activations():
+def test_remove_then_plain_forward_stores_activations(device):
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT().to(device)
     apply_recompute(model, check_fn=is_block)
     remove_recompute(model)
-    loss = model(tokens()).sum()
+    loss = model(tokens(device=device)).sum()
     assert all(all(b.values()) for b in model.alive())
     loss.backward()
 
 
-def test_apply_twice_does_not_double_wrap(entered_scopes):
+def test_apply_twice_does_not_double_wrap(entered_scopes, device):
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT().to(device)
     apply_recompute(model, check_fn=is_block)
     wrappers = [vars(b)["forward"] for b in model.blocks]
     apply_recompute(model, check_fn=is_block, save=save_matmuls)
     assert [vars(b)["forward"] for b in model.blocks] == wrappers  # same objects
     assert all(w.original is None for w in wrappers)
-    loss = model(tokens()).sum()
+    loss = model(tokens(device=device)).sum()
     assert len(entered_scopes) == 2  # one scope per block call, not two
     assert all("save_matmuls" in repr(s) for s in entered_scopes)  # latest options
     loss.backward()
@@ -302,12 +307,12 @@ def test_apply_twice_does_not_double_wrap(entered_scopes):
     assert all("forward" not in vars(b) for b in model.blocks)
 
 
-def test_twice_then_gradients_equal_plain():
+def test_twice_then_gradients_equal_plain(device):
     def setup(m):
         apply_recompute(m, check_fn=is_block)
         apply_recompute(m, check_fn=lambda x: isinstance(x, (Block, Attention)))
 
-    assert_same_run(train(setup), train())
+    assert_same_run(train(setup, device=device), train(device=device))
 
 
 def test_check_fn_selects_modules():
@@ -369,22 +374,22 @@ def test_check_fn_matching_nothing_warns_and_changes_nothing(check_fn):
 
 
 @pytest.mark.filterwarnings("ignore:apply_recompute. no check_fn")  # the default, on purpose
-def test_every_module_gradients_equal_plain():
-    assert_same_run(train(apply_recompute), train())
+def test_every_module_gradients_equal_plain(device):
+    assert_same_run(train(apply_recompute, device=device), train(device=device))
 
 
-def test_hooks_run_once_and_see_the_forward():
+def test_hooks_run_once_and_see_the_forward(device):
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT().to(device)
     calls = []
     model.blocks[0].register_forward_pre_hook(lambda m, args: calls.append("pre"))
     model.blocks[0].register_forward_hook(lambda m, args, out: calls.append("post") or out * 1)
     torch.manual_seed(1)
-    plain = model(tokens())
+    plain = model(tokens(device=device))
     apply_recompute(model, check_fn=is_block)
     calls.clear()
     torch.manual_seed(1)
-    scoped = model(tokens())
+    scoped = model(tokens(device=device))
     assert calls == ["pre", "post"]
     assert torch.equal(scoped, plain)
     scoped.sum().backward()
@@ -413,7 +418,7 @@ def test_signature_and_repr():
     assert "recompute_scope" in repr(block.forward) and "save_matmuls" in repr(block.forward)
 
 
-def test_exception_in_forward_exits_scope():
+def test_exception_in_forward_exits_scope(device):
     class Boom(nn.Module):
         def __init__(self):
             super().__init__()
@@ -425,10 +430,10 @@ def test_exception_in_forward_exits_scope():
                 raise ValueError("boom")
             return h
 
-    m = Boom()
+    m = Boom().to(device)
     apply_recompute(m, check_fn=Boom)
     before = global_state()
-    x = torch.randn(2, 4, requires_grad=True)
+    x = torch.randn(2, 4, requires_grad=True, device=device)
     with pytest.raises(ValueError, match="boom"):
         m(x, fail=True)
     assert_interception_gone(before)
@@ -478,14 +483,14 @@ def _flatten(out):
 
 
 @pytest.mark.parametrize("kind", ["tuple", "dict", "dataclass"])
-def test_kwargs_and_nested_outputs(kind):
+def test_kwargs_and_nested_outputs(kind, device):
     def run(apply):
         torch.manual_seed(0)
-        m = Fancy()
+        m = Fancy().to(device)
         if apply:
             apply_recompute(m, check_fn=lambda x: True)  # every module (the default, without its warning)
-        x = torch.randn(3, 5, D, requires_grad=True)
-        mask = torch.rand(3, 5, 2 * D) > 0.7
+        x = torch.randn(3, 5, D, requires_grad=True, device=device)
+        mask = torch.rand(3, 5, 2 * D, device=device) > 0.7
         out = m(x, 0.5, mask=mask, kind=kind)
         assert type(out) is {"tuple": tuple, "dict": dict, "dataclass": Out}[kind]
         tensors = _flatten(out)
@@ -515,9 +520,9 @@ def test_kwargs_and_nested_outputs(kind):
     ids=["plain", "save_matmuls", "op_list", "single_op"],
 )
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
-def test_pickle_and_deepcopy(options, how):
+def test_pickle_and_deepcopy(options, how, device):
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT().to(device)
     apply_recompute(model, check_fn=is_block, **options)
     clone = pickle.loads(pickle.dumps(model)) if how == "pickle" else copy.deepcopy(model)
     for c in clone.blocks:
@@ -526,7 +531,7 @@ def test_pickle_and_deepcopy(options, how):
         assert fwd.original is None
     assert list(clone.state_dict()) == list(model.state_dict())
     # the copy trains the copy, with the same numbers
-    idx = tokens()
+    idx = tokens(device=device)
     torch.manual_seed(5)
     model(idx).sum().backward()
     torch.manual_seed(5)
@@ -604,10 +609,10 @@ class Probe(nn.Module):
         return y * y  # saves y
 
 
-def _seq_run(fn, seg, as_list=False, **options):
+def _seq_run(fn, seg, device, as_list=False, **options):
     torch.manual_seed(0)
-    seq = make_seq()
-    x = torch.randn(4, D, requires_grad=True)
+    seq = make_seq().to(device)
+    x = torch.randn(4, D, requires_grad=True, device=device)
     functions = list(seq) if as_list else seq
     out = fn(functions, seg, x, **options)
     out.pow(2).sum().backward()
@@ -615,23 +620,23 @@ def _seq_run(fn, seg, as_list=False, **options):
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 4, 6])
-def test_recompute_sequential_gradients_equal_plain(segments, entered_scopes):
-    plain = _seq_run(lambda f, s, x: f(x), segments)
-    got = _seq_run(recompute_sequential, segments)
+def test_recompute_sequential_gradients_equal_plain(segments, entered_scopes, device):
+    plain = _seq_run(lambda f, s, x: f(x), segments, device)
+    got = _seq_run(recompute_sequential, segments, device)
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
     assert len(entered_scopes) == segments - 1
     entered_scopes.clear()
-    got = _seq_run(recompute_sequential, segments, as_list=True, save=save_matmuls)
+    got = _seq_run(recompute_sequential, segments, device, as_list=True, save=save_matmuls)
     assert all(torch.equal(a, b) for a, b in zip(got, plain))
     assert len(entered_scopes) == segments - 1
 
 
-def test_recompute_sequential_matches_checkpoint_sequential_chunks():
+def test_recompute_sequential_matches_checkpoint_sequential_chunks(device):
     """Chunks as in checkpoint_sequential: 7 functions, 3 segments -> 2, 2, 3 (last plain)."""
     def run(fn):
         store = []
         probes = [Probe(store) for _ in range(7)]
-        x = torch.linspace(-2, 2, 5, requires_grad=True)
+        x = torch.linspace(-2, 2, 5, requires_grad=True, device=device)
         out = fn(probes, x)
         alive = [r() is not None for r in store]
         out.sum().backward()
@@ -644,13 +649,13 @@ def test_recompute_sequential_matches_checkpoint_sequential_chunks():
     assert torch.equal(out, out_plain) and torch.equal(grad, grad_plain)
 
 
-def test_recompute_sequential_plain_functions_and_tuple_outputs():
-    w = torch.randn(D, D, requires_grad=True)
+def test_recompute_sequential_plain_functions_and_tuple_outputs(device):
+    w = torch.randn(D, D, requires_grad=True, device=device)
     fns = [lambda x: (x @ w, x), lambda t: t[0].tanh() + t[1], torch.sigmoid, lambda x: x * 3]
 
     def run(fn):
         w.grad = None
-        x = torch.randn(5, D, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(5, D, generator=torch.Generator().manual_seed(0)).to(device)
         out = fn(x)
         out.sum().backward()
         return out.detach(), w.grad.clone()

@@ -36,11 +36,11 @@ def _func_grad_works():
     return torch.allclose(g, torch.arange(3.0).cos() * torch.arange(3.0) + torch.arange(3.0).sin())
 
 
-def test_state_restored_when_last_block_tensor_dies():
+def test_state_restored_when_last_block_tensor_dies(device):
     before = global_state()
     depth = dispatch_depth()
-    a = torch.randn(4, requires_grad=True)
-    c = torch.randn(4, requires_grad=True)
+    a = torch.randn(4, requires_grad=True, device=device)
+    c = torch.randn(4, requires_grad=True, device=device)
     with recompute_scope():
         x = a.exp()
         x2 = x * 2
@@ -62,9 +62,9 @@ def test_state_restored_when_last_block_tensor_dies():
     assert_interception_gone(before)
 
 
-def test_state_restored_at_exit_when_nothing_survives():
+def test_state_restored_at_exit_when_nothing_survives(device):
     before = global_state()
-    a = torch.randn(4, requires_grad=True)
+    a = torch.randn(4, requires_grad=True, device=device)
     with recompute_scope():
         x = a.sin()
         y = (x * x).sum()
@@ -97,7 +97,7 @@ class _ScopedBackward(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("where", ["nonreentrant_checkpoint", "reentrant_checkpoint", "function_backward"])
-def test_scope_first_entered_inside_backward_leaves_no_trace(where):
+def test_scope_first_entered_inside_backward_leaves_no_trace(where, device):
     """A scope whose block runs only inside a backward pass (checkpoint's recomputation,
     a custom Function's backward), with no block tensor alive when the pass starts: the
     engine drops the hook pair pushed inside the pass, and once the pass ends nothing of
@@ -106,8 +106,8 @@ def test_scope_first_entered_inside_backward_leaves_no_trace(where):
 
     def program(scope):
         torch.manual_seed(0)
-        w = torch.randn(8, 8, requires_grad=True)
-        x = torch.randn(4, 8, requires_grad=True)
+        w = torch.randn(8, 8, requires_grad=True, device=device)
+        x = torch.randn(4, 8, requires_grad=True, device=device)
 
         def fn(a):
             with scope():
@@ -137,13 +137,13 @@ class _FailsInBackward(torch.autograd.Function):
         raise ValueError("backward fails here")
 
 
-def test_scope_inside_a_backward_pass_that_raises_leaves_no_trace():
+def test_scope_inside_a_backward_pass_that_raises_leaves_no_trace(device):
     """As above, when the pass raises after the scope's block ran in it (the engine
     then skips its end-of-pass callbacks)."""
     from torch.utils.checkpoint import checkpoint
 
-    w = torch.randn(8, 8, requires_grad=True)
-    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True, device=device)
+    x = torch.randn(4, 8, requires_grad=True, device=device)
 
     def fn(a):
         with recompute_scope():
@@ -158,8 +158,8 @@ def test_scope_inside_a_backward_pass_that_raises_leaves_no_trace():
     assert _func_grad_works()
 
 
-def test_disable_saved_tensors_hooks_works_after_interception_gone():
-    a = torch.randn(4, requires_grad=True)
+def test_disable_saved_tensors_hooks_works_after_interception_gone(device):
+    a = torch.randn(4, requires_grad=True, device=device)
     with recompute_scope():
         x = a.sin()
     y = x * a
@@ -169,11 +169,11 @@ def test_disable_saved_tensors_hooks_works_after_interception_gone():
     z.sum().backward()
 
 
-def test_func_grad_works_after_model_step():
+def test_func_grad_works_after_model_step(device):
     from conftest import Transformer
 
-    model = Transformer(mode="both")
-    x = torch.randn(2, 4, 16)
+    model = Transformer(mode="both").to(device)
+    x = torch.randn(2, 4, 16, device=device)
     loss = model(x, lambda: recompute_scope()).pow(2).mean()
     loss.backward()
     del loss
@@ -181,33 +181,37 @@ def test_func_grad_works_after_model_step():
     assert _func_grad_works()
 
 
-def _raise_inside(kind):
+def _raise_inside(kind, device):
     """Raises ValueError("boom"), or RuntimeError from an op for kind == "op"."""
-    a = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
     with recompute_scope():
         x = a.sin()
-        torch.randn(3)  # consumes RNG inside the block
+        torch.randn(3, device=device)  # consumes RNG inside the block
         y = F.dropout(x, 0.5, training=True)
         if kind == "python":
             raise ValueError("boom")
         elif kind == "op":
-            y @ torch.randn(7, 2)  # shape mismatch raised by the op itself
+            y @ torch.randn(7, 2, device=device)  # shape mismatch raised by the op itself
         elif kind == "no_grad":
             with torch.no_grad():
                 z = y * 2
                 raise ValueError("boom")
         elif kind == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                z = torch.mm(y[None], torch.randn(5, 2))
+            with torch.autocast(device, dtype=torch.bfloat16):
+                z = torch.mm(y[None], torch.randn(5, 2, device=device))
                 raise ValueError("boom")
 
 
+def _rng_state(device):
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
+
+
 @pytest.mark.parametrize("kind", ["python", "op", "no_grad", "autocast"])
-def test_exception_inside_block_leaves_state_clean(kind):
+def test_exception_inside_block_leaves_state_clean(kind, device):
     before = global_state()
     torch.manual_seed(123)
     try:
-        _raise_inside(kind)
+        _raise_inside(kind, device)
     except Exception as e:  # noqa: BLE001 - `e` (and the frames it holds) is gone after this block
         caught = (type(e), str(e))
     else:
@@ -216,26 +220,26 @@ def test_exception_inside_block_leaves_state_clean(kind):
         assert caught is not None and issubclass(caught[0], RuntimeError), caught
     else:
         assert caught == (ValueError, "boom"), caught
-    rng_after = torch.get_rng_state()
+    rng_after = _rng_state(device)
     assert_interception_gone(before)
     assert torch.is_grad_enabled()
     assert _func_grad_works()
 
     # the RNG stream is the one the plain program leaves
     torch.manual_seed(123)
-    torch.randn(5)
-    torch.randn(3)
-    F.dropout(torch.zeros(5), 0.5, training=True)
+    torch.randn(5, device=device)
+    torch.randn(3, device=device)
+    F.dropout(torch.zeros(5, device=device), 0.5, training=True)
     if kind == "autocast":
-        torch.randn(5, 2)
+        torch.randn(5, 2, device=device)
     elif kind == "op":
-        torch.randn(7, 2)
-    assert torch.equal(rng_after, torch.get_rng_state())
+        torch.randn(7, 2, device=device)
+    assert torch.equal(rng_after, _rng_state(device))
 
     # a later correct step works and gives the plain gradients
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             x = torch.tanh(a) * 3
         y = x * c
@@ -248,9 +252,9 @@ def test_exception_inside_block_leaves_state_clean(kind):
     assert_interception_gone(before)
 
 
-def test_exception_with_block_tensor_alive_then_released():
+def test_exception_with_block_tensor_alive_then_released(device):
     before = global_state()
-    a = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
     keep = []
     with pytest.raises(KeyError):
         with recompute_scope():
@@ -300,7 +304,7 @@ def _expected_shapes(enter, exit_, scoped):
     return got
 
 
-def _hooks_program(enter, exit_, make_hooks):
+def _hooks_program(enter, exit_, make_hooks, device):
     def program(scope):
         hooks = make_hooks()
         checks = {}
@@ -311,11 +315,11 @@ def _hooks_program(enter, exit_, make_hooks):
             if p == exit_:
                 hooks.__exit__(None, None, None)
 
-        a = torch.randn(*A, requires_grad=True)
-        b = torch.randn(*B, requires_grad=True)
-        c = torch.randn(*C, requires_grad=True)
-        d = torch.randn(*D, requires_grad=True)
-        e = torch.randn(*D, requires_grad=True)
+        a = torch.randn(*A, requires_grad=True, device=device)
+        b = torch.randn(*B, requires_grad=True, device=device)
+        c = torch.randn(*C, requires_grad=True, device=device)
+        d = torch.randn(*D, requires_grad=True, device=device)
+        e = torch.randn(*D, requires_grad=True, device=device)
         at(0)
         with scope():
             x = a @ b
@@ -347,7 +351,7 @@ def _hooks_program(enter, exit_, make_hooks):
 
 
 @pytest.mark.parametrize("enter,exit_", WINDOWS, ids=[f"P{a}-P{b}" for a, b in WINDOWS])
-def test_recording_hooks_around_scope(enter, exit_):
+def test_recording_hooks_around_scope(enter, exit_, device):
     scoped = {}
     plain = {}
 
@@ -361,9 +365,9 @@ def test_recording_hooks_around_scope(enter, exit_):
     from conftest import PlainScopes, Scopes, assert_all_same
 
     torch.manual_seed(0)
-    got = _hooks_program(enter, exit_, make(scoped))(Scopes())
+    got = _hooks_program(enter, exit_, make(scoped), device)(Scopes())
     torch.manual_seed(0)
-    want = _hooks_program(enter, exit_, make(plain))(PlainScopes())
+    want = _hooks_program(enter, exit_, make(plain), device)(PlainScopes())
     got_checks, want_checks = got.pop("checks"), want.pop("checks")
     got.pop("hooks"), want.pop("hooks")
     assert_all_same(got, want)
@@ -382,12 +386,12 @@ def test_recording_hooks_around_scope(enter, exit_):
 
 
 @pytest.mark.parametrize("enter,exit_", WINDOWS, ids=[f"P{a}-P{b}" for a, b in WINDOWS])
-def test_save_on_cpu_around_scope(enter, exit_):
+def test_save_on_cpu_around_scope(enter, exit_, device):
     def make():
         return torch.autograd.graph.save_on_cpu()
 
     def program(scope):
-        out = _hooks_program(enter, exit_, make)(scope)
+        out = _hooks_program(enter, exit_, make, device)(scope)
         checks = out.pop("checks")
         out.pop("hooks")
         assert checks["top_is_none_at_end"], checks
@@ -398,16 +402,16 @@ def test_save_on_cpu_around_scope(enter, exit_):
     run_both(program)
 
 
-def test_two_foreign_hooks_around_scope():
+def test_two_foreign_hooks_around_scope(device):
     """h1 entered before the block, h2 after it; h2 exits, then h1 exits while block
     tensors are alive (the scope's interception sits above h1 then)."""
     record = {}
 
     def program(scope):
         h1, h2 = RecordingHooks(), RecordingHooks()
-        a = torch.randn(3, 4, requires_grad=True)
-        c = torch.randn(4, 5, requires_grad=True)
-        d = torch.randn(6, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
+        c = torch.randn(4, 5, requires_grad=True, device=device)
+        d = torch.randn(6, requires_grad=True, device=device)
         h1.__enter__()
         with scope():
             x = torch.tanh(a)  # saves x (block-created, while the scope is innermost)
@@ -436,12 +440,12 @@ def test_two_foreign_hooks_around_scope():
 # threads
 
 
-def _thread_program(drop_in_worker):
+def _thread_program(drop_in_worker, device):
     def program(scope):
-        a = torch.randn(6, 4, requires_grad=True)
-        c = torch.randn(4, 3, requires_grad=True)
+        a = torch.randn(6, 4, requires_grad=True, device=device)
+        c = torch.randn(4, 3, requires_grad=True, device=device)
         with scope():
-            h = torch.tanh(a @ torch.ones(4, 4)) * 2
+            h = torch.tanh(a @ torch.ones(4, 4, device=device)) * 2
             k = h.exp()
         y = (h @ c).sum() + (k @ c).sum()
         box = [k]
@@ -468,30 +472,30 @@ def _thread_program(drop_in_worker):
     return program
 
 
-def test_backward_in_another_thread():
-    scopes, _ = run_both(_thread_program(drop_in_worker=False))
+def test_backward_in_another_thread(device):
+    scopes, _ = run_both(_thread_program(drop_in_worker=False, device=device))
     assert stat(scopes.created[0], "replays") >= 1
     assert_interception_gone()
     assert _func_grad_works()
 
 
-def test_last_block_tensor_dies_in_backward_thread():
+def test_last_block_tensor_dies_in_backward_thread(device):
     """The last block tensor dies in the worker thread.  The forward thread's hook stack
     cannot be touched from there; but tensors saved here afterwards must be handled
     exactly as without a scope, and by the time library code next runs on this thread
     (entering any scope) nothing of the old interception may be left."""
-    scopes, _ = run_both(_thread_program(drop_in_worker=True))
+    scopes, _ = run_both(_thread_program(drop_in_worker=True, device=device))
     assert stat(scopes.created[0], "replays") >= 1
 
     def program(scope):  # plain autograd on this thread, no new scope
-        p = torch.randn(5, requires_grad=True)
+        p = torch.randn(5, requires_grad=True, device=device)
         q = p * 2
         y = q.sin() * q.exp()
         y.sum().backward()
         return dict(y=y.detach(), p=p.grad)
 
     run_both(program)
-    q = torch.randn(5, requires_grad=True) * 1
+    q = torch.randn(5, requires_grad=True, device=device) * 1
     y = q.sin()
     q.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -503,8 +507,8 @@ def test_last_block_tensor_dies_in_backward_thread():
     assert _func_grad_works()
 
 
-def test_forward_in_another_thread_backward_here():
-    a = torch.randn(5, requires_grad=True)
+def test_forward_in_another_thread_backward_here(device):
+    a = torch.randn(5, requires_grad=True, device=device)
     a_ref = a.detach().clone().requires_grad_()
     result = {}
 
@@ -531,8 +535,8 @@ def test_forward_in_another_thread_backward_here():
     assert top_hooks() == baseline_hooks()
 
 
-def test_two_threads_with_own_scopes():
-    inputs = [torch.randn(64) for _ in range(2)]
+def test_two_threads_with_own_scopes(device):
+    inputs = [torch.randn(64, device=device) for _ in range(2)]
     out = {}
     barrier = threading.Barrier(2)
 

@@ -12,16 +12,17 @@ from conftest import (
     assert_interception_gone,
     dead,
     grads,
+    memory_allocated,
     run_both,
     stat,
     stats,
 )
 
 
-def test_plain_autograd_keeps_the_tensor_alive():
+def test_plain_autograd_keeps_the_tensor_alive(device):
     """Sanity check of the premise of this file: without a scope, autograd keeps x."""
-    a = torch.randn(5, requires_grad=True)
-    c = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, requires_grad=True, device=device)
+    c = torch.randn(5, requires_grad=True, device=device)
     x = a + 1
     ref = weakref.ref(x)
     y = x * c
@@ -42,11 +43,11 @@ def test_plain_autograd_keeps_the_tensor_alive():
     ],
     ids=["mul", "exp_mul", "sin", "view_t", "tanh_pow", "slice_sigmoid"],
 )
-def test_block_tensor_dies_after_forward(after):
+def test_block_tensor_dies_after_forward(after, device):
     def program(scope):
-        a = torch.randn(6, requires_grad=True)
-        b = torch.randn(6, requires_grad=True)
-        c = torch.randn(6, requires_grad=True)
+        a = torch.randn(6, requires_grad=True, device=device)
+        b = torch.randn(6, requires_grad=True, device=device)
+        c = torch.randn(6, requires_grad=True, device=device)
         with scope():
             x = (a + b).cos()
         ref = weakref.ref(x)
@@ -70,12 +71,12 @@ def test_block_tensor_dies_after_forward(after):
     ],
     ids=["index", "index_select", "gather", "index_exp"],
 )
-def test_block_created_index_tensor_released(index):
+def test_block_created_index_tensor_released(index, device):
     def program(scope):
-        a = torch.randn(4, 6, requires_grad=True)
-        c = torch.randn(4, 6, requires_grad=True)
+        a = torch.randn(4, 6, requires_grad=True, device=device)
+        c = torch.randn(4, 6, requires_grad=True, device=device)
         with scope():
-            idx = torch.arange(5, -1, -1)
+            idx = torch.arange(5, -1, -1, device=device)
             x = index(a, idx)
         refs = [weakref.ref(idx), weakref.ref(x)]
         del idx
@@ -94,19 +95,19 @@ def test_block_created_index_tensor_released(index):
     "use",
     [
         lambda a: a[:, [3, 1, 0, 2]],  # the list becomes a tensor literal inside the block
-        lambda a: a[:, torch.tensor([3, 1, 0, 2])],
-        lambda a: a * torch.tensor([0.5, 1.0, 2.0, 4.0]),
-        lambda a: a * 2 + torch.tensor(1.5),
+        lambda a: a[:, torch.tensor([3, 1, 0, 2], device=a.device)],
+        lambda a: a * torch.tensor([0.5, 1.0, 2.0, 4.0], device=a.device),
+        lambda a: a * 2 + torch.tensor(1.5, device=a.device),
     ],
     ids=["list_index", "tensor_index", "tensor_mul", "scalar_tensor"],
 )
-def test_tensor_literal_in_block_released(use):
+def test_tensor_literal_in_block_released(use, device):
     """torch.tensor(...) inside a block (aten.lift_fresh) is a block tensor like any other:
     once everything made in the block is gone, so is the interception."""
 
     def program(scope):
-        a = torch.randn(4, 4, requires_grad=True)
-        c = torch.randn(4, 4, requires_grad=True)
+        a = torch.randn(4, 4, requires_grad=True, device=device)
+        c = torch.randn(4, 4, requires_grad=True, device=device)
         with scope():
             x = use(a).sin()
         y = x * c
@@ -139,9 +140,9 @@ class _Capture(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("retain_graph", [False, True])
-def test_recomputed_value_released_after_backward(retain_graph):
+def test_recomputed_value_released_after_backward(retain_graph, device):
     _Capture.refs.clear()
-    a = torch.randn(1000, requires_grad=True)
+    a = torch.randn(1000, requires_grad=True, device=device)
     s = recompute_scope()
     with s:
         x = torch.tanh(a) * 3
@@ -159,8 +160,8 @@ def test_recomputed_value_released_after_backward(retain_graph):
     assert_interception_gone()
 
 
-def test_block_intermediates_die_at_block_exit():
-    a = torch.randn(8, requires_grad=True)
+def test_block_intermediates_die_at_block_exit(device):
+    a = torch.randn(8, requires_grad=True, device=device)
     refs = []
     with recompute_scope():
         h1 = a.exp()  # exp saves its output
@@ -176,12 +177,12 @@ def test_block_intermediates_die_at_block_exit():
     assert_interception_gone()
 
 
-def test_product_of_two_scoped_factors():
+def test_product_of_two_scoped_factors(device):
     """f1() * f2(): each factor made in its own scope; neither is kept alive."""
 
     def program(scope):
-        a = torch.randn(7, requires_grad=True)
-        b = torch.randn(7, requires_grad=True)
+        a = torch.randn(7, requires_grad=True, device=device)
+        b = torch.randn(7, requires_grad=True, device=device)
         refs = []
 
         def f1():
@@ -208,11 +209,11 @@ def test_product_of_two_scoped_factors():
     assert stat(s1, "replays") >= 1 and stat(s2, "replays") >= 1
 
 
-def test_nested_scopes():
+def test_nested_scopes(device):
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        b = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        b = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             u = a.sin() * 2
             with scope():
@@ -233,10 +234,10 @@ def test_nested_scopes():
     assert stat(inner, "tensors_packed") >= 1
 
 
-def test_nested_inner_reads_outer_tensor():
+def test_nested_inner_reads_outer_tensor(device):
     def program(scope):
-        a = torch.randn(5, requires_grad=True)
-        c = torch.randn(5, requires_grad=True)
+        a = torch.randn(5, requires_grad=True, device=device)
+        c = torch.randn(5, requires_grad=True, device=device)
         with scope():
             u = a.sin() * 2
             with scope():
@@ -253,12 +254,12 @@ def test_nested_inner_reads_outer_tensor():
     run_both(program)
 
 
-def test_exp_of_block_tensor_after_block_no_leak():
+def test_exp_of_block_tensor_after_block_no_leak(device):
     """z = w.exp() after the block saves z (not block-created) while interception is on:
     z and w must both die on del, with y's graph alive, without gc."""
 
     def program(scope):
-        a = torch.randn(9, requires_grad=True)
+        a = torch.randn(9, requires_grad=True, device=device)
         with scope():
             w = a.sin() * 2
         z = w.exp()
@@ -274,13 +275,13 @@ def test_exp_of_block_tensor_after_block_no_leak():
     assert_interception_gone()
 
 
-def test_everything_released_without_gc():
+def test_everything_released_without_gc(device):
     """After a step the graph is gone: block tensors, outputs and the inputs the scope
     needed for replay are all freed by refcounting alone, and interception is gone."""
 
     def step():
-        a = torch.randn(16, requires_grad=True)
-        c = torch.randn(16, requires_grad=True)
+        a = torch.randn(16, requires_grad=True, device=device)
+        c = torch.randn(16, requires_grad=True, device=device)
         with recompute_scope():
             x = torch.tanh(a * 3)
             e = x.exp()
@@ -290,36 +291,45 @@ def test_everything_released_without_gc():
         y.sum().backward()
         return refs
 
+    if device == "cuda":
+        step()  # warm-up: CUDA's lazy initialisation allocates once
+    before = memory_allocated(device)
     refs = step()
     assert dead(*refs), [r() is None for r in refs]
+    assert memory_allocated(device) == before, "device memory still allocated after the step"
     assert_interception_gone()
 
 
-def test_graph_dropped_without_backward():
-    a = torch.randn(16, requires_grad=True)
+def test_graph_dropped_without_backward(device):
+    a = torch.randn(16, requires_grad=True, device=device)
+    before = memory_allocated(device)
     with recompute_scope():
         x = a.exp()
     y = x * a
     refs = [weakref.ref(x), weakref.ref(y)]
     del x, y
     assert dead(*refs)
+    assert memory_allocated(device) == before, "device memory of the dropped graph still allocated"
     assert_interception_gone()
 
 
 @pytest.mark.parametrize("mode", ["inner", "outer", "both"])
-def test_train_step_three_times(mode):
+def test_train_step_three_times(mode, device):
+    held = {True: [], False: []}  # device bytes allocated after each forward (CUDA), scoped / plain
+
     def program(scope):
-        model = Transformer(mode=mode)
+        model = Transformer(mode=mode).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses = []
         for step in range(3):
-            x = torch.randn(2, 6, 16)
+            x = torch.randn(2, 6, 16, device=device)
             opt.zero_grad(set_to_none=True)
             out = model(x, scope)
             probes = model.probes()
             assert len(probes) == 4
             if scope.real:
                 assert dead(*probes), f"step {step}: block tensors alive after forward"
+            held[scope.real].append(memory_allocated(device))
             loss = out.pow(2).mean()
             del out
             loss.backward()
@@ -331,13 +341,15 @@ def test_train_step_three_times(mode):
         return dict(losses=losses, params=[p.detach().clone() for p in model.parameters()])
 
     run_both(program)
+    if device == "cuda":
+        assert all(s < p for s, p in zip(held[True], held[False])), f"scoped {held[True]} vs plain {held[False]} bytes"
 
 
-def test_stats_simple():
+def test_stats_simple(device):
     s = recompute_scope()
-    a = torch.randn(100, requires_grad=True)
-    b = torch.randn(100, requires_grad=True)
-    c = torch.randn(100, requires_grad=True)
+    a = torch.randn(100, requires_grad=True, device=device)
+    b = torch.randn(100, requires_grad=True, device=device)
+    c = torch.randn(100, requires_grad=True, device=device)
     with s:
         x = a + b
     nbytes = x.numel() * x.element_size()
@@ -360,10 +372,10 @@ def test_stats_simple():
     assert torch.equal(c.grad, 2 * (a + b).detach())
 
 
-def test_stats_bytes_scale_with_size():
+def test_stats_bytes_scale_with_size(device):
     def packed(n):
         s = recompute_scope()
-        a = torch.randn(n, requires_grad=True)
+        a = torch.randn(n, requires_grad=True, device=device)
         with s:
             x = a.sin()
         y = x * a
@@ -375,15 +387,15 @@ def test_stats_bytes_scale_with_size():
     assert large > small
 
 
-def test_stats_transformer_replays_bounded():
-    model = Transformer(mode="outer")
+def test_stats_transformer_replays_bounded(device):
+    model = Transformer(mode="outer").to(device)
     scopes = []
 
     def scope():
         scopes.append(recompute_scope())
         return scopes[-1]
 
-    x = torch.randn(2, 5, 16, requires_grad=True)
+    x = torch.randn(2, 5, 16, requires_grad=True, device=device)
     loss = model(x, scope).pow(2).mean()
     before = [stats(s) for s in scopes]
     loss.backward()
@@ -395,9 +407,9 @@ def test_stats_transformer_replays_bounded():
         assert 1 <= st["ops_replayed"] <= st["ops_recorded"], st
 
 
-def test_no_grad_records_nothing():
-    a = torch.randn(5, requires_grad=True)
-    c = torch.randn(5, requires_grad=True)
+def test_no_grad_records_nothing(device):
+    a = torch.randn(5, requires_grad=True, device=device)
+    c = torch.randn(5, requires_grad=True, device=device)
     s = recompute_scope()
     with torch.no_grad():
         with s:
@@ -410,8 +422,8 @@ def test_no_grad_records_nothing():
     assert torch.equal(c.grad, (a.detach().sin() * 2))
 
 
-def test_inference_mode_records_nothing():
-    a = torch.randn(5)
+def test_inference_mode_records_nothing(device):
+    a = torch.randn(5, device=device)
     s = recompute_scope()
     with torch.inference_mode():
         with s:
@@ -438,7 +450,7 @@ class _ResidualMLP(torch.nn.Module):
         return x + torch.nn.functional.dropout(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x)))), 0.1)
 
 
-def test_scoped_training_step_makes_no_reference_cycles():
+def test_scoped_training_step_makes_no_reference_cycles(device):
     """A scoped step (per-block scopes, save= policy, in-place write, views) leaves nothing
     for the garbage collector: every record, cache and replayed value is freed by
     reference counting as soon as it is unused."""
@@ -446,9 +458,9 @@ def test_scoped_training_step_makes_no_reference_cycles():
 
     from gradient_scope import apply_recompute, save_matmuls
 
-    blocks = torch.nn.Sequential(*[_ResidualMLP(16) for _ in range(3)])
+    blocks = torch.nn.Sequential(*[_ResidualMLP(16) for _ in range(3)]).to(device)
     apply_recompute(blocks, check_fn=lambda m: isinstance(m, _ResidualMLP))
-    x = torch.randn(4, 16, requires_grad=True)
+    x = torch.randn(4, 16, requires_grad=True, device=device)
     blocks(x).sum().backward()  # warm-up: lazy imports and caches
     gc.collect()
     gc.disable()
@@ -467,7 +479,7 @@ def test_scoped_training_step_makes_no_reference_cycles():
 
 
 @pytest.mark.parametrize("layers", [2, 8])
-def test_backward_peak_not_above_checkpoint_at_depth(layers):
+def test_backward_peak_not_above_checkpoint_at_depth(layers, device):
     """A scope per block peaks no higher than torch.utils.checkpoint per block, at any
     depth: a block's record, cache and input alias are freed once its backward is done
     (measured with the validated CPU probe of benchmarks/_harness/memory.py)."""
@@ -481,11 +493,11 @@ def test_backward_peak_not_above_checkpoint_at_depth(layers):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks._harness.memory import measure
 
-    x = torch.randn(64, 256, requires_grad=True)  # a block input is 64 KiB
+    x = torch.randn(64, 256, requires_grad=True, device=device)  # a block input is 64 KiB
 
     def peak(strategy):
         torch.manual_seed(0)
-        blocks = torch.nn.ModuleList([_ResidualMLP(256) for _ in range(layers)])
+        blocks = torch.nn.ModuleList([_ResidualMLP(256) for _ in range(layers)]).to(device)
         if strategy == "scope":
             apply_recompute(blocks, check_fn=lambda m: isinstance(m, _ResidualMLP))
 
@@ -496,11 +508,11 @@ def test_backward_peak_not_above_checkpoint_at_depth(layers):
             return h.pow(2).mean()
 
         forward().backward()  # warm-up
-        return measure(forward, lambda loss: loss.backward())[2]
+        return measure(forward, lambda loss: loss.backward(), device)[2]
 
     scope, ckpt = peak("scope"), peak("checkpoint")
-    # Per random op the scope keeps one CPU generator state (5056 bytes); checkpoint
-    # keeps one per block. Here each block has one dropout: no difference.
+    # Per random op the scope keeps one generator state (CPU: 5056 bytes; CUDA: 16 host
+    # bytes); checkpoint keeps one per block. Here each block has one dropout: no difference.
     assert scope <= ckpt, f"{layers} blocks: scope peak {scope} > checkpoint peak {ckpt} bytes"
 
 
@@ -515,6 +527,8 @@ class _FailsInBackward(torch.autograd.Function):
 
 
 def test_a_failed_backward_releases_the_block_at_the_next_backward():
+    # CPU only: on CUDA the ready nodes wait in the device thread's queue, which that
+    # thread drains on its own schedule (no moment at which to check).
     # PyTorch keeps the nodes a failed backward had made ready (here: sin's, which
     # saved a handle of h) in its thread-local ready queue until the next backward on
     # the thread; that backward drops them, and with them the block. (A debug handle
@@ -535,11 +549,11 @@ def test_a_failed_backward_releases_the_block_at_the_next_backward():
     assert_interception_gone()
 
 
-def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handle():
+def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handle(device):
     # `u.copy_(u.cos())`: u's new node (CopyBackwards) reaches CosBackward, which saved
     # u itself, so plain PyTorch keeps u for ever (a C++ cycle gc cannot see). In a
     # scope the save is a handle, which holds u weakly: u dies, and the hooks go.
-    a = torch.randn(4, requires_grad=True)
+    a = torch.randn(4, requires_grad=True, device=device)
     u = a.clone()
     u.copy_(u.cos())
     plain = weakref.ref(u)
@@ -555,11 +569,11 @@ def test_a_pytorch_reference_cycle_through_a_block_tensor_is_broken_by_its_handl
     assert_interception_gone()
 
 
-def test_debug_keeps_a_block_tensor_in_a_pytorch_reference_cycle_as_plain_pytorch_does():
+def test_debug_keeps_a_block_tensor_in_a_pytorch_reference_cycle_as_plain_pytorch_does(device):
     # debug=True keeps a saved input as autograd does (to see a later `.data = ...`), so
     # the cycle above keeps the tensor, its record and the hook pair, exactly as plain
     # PyTorch keeps the tensor (docs/limitations.md). Breaking the cycle by hand frees it.
-    a = torch.randn(4, requires_grad=True)
+    a = torch.randn(4, requires_grad=True, device=device)
     with recompute_scope(debug=True):
         u = a.clone()
         u.copy_(u.cos())

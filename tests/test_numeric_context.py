@@ -28,14 +28,14 @@ def _flags_as_found():
     assert after == before, "a test left the numeric context changed"
 
 
-def _run_both(program):
+def _run_both(program, cuda_inexact=None):
     torch.manual_seed(0)
     expected = program(PlainScopes())
     torch.manual_seed(0)
     ambient = numeric_context()
     actual = program(Scopes())
     assert numeric_context() == ambient, "replay left the flags changed"
-    assert_all_same(actual, expected)
+    assert_all_same(actual, expected, cuda_inexact=cuda_inexact)
 
 
 def _conv_program(outer, inner):
@@ -279,7 +279,10 @@ def test_cuda_conv_flags(device, case):
         fwd().backward()
         return grads({"x": x, "w": w, "c": c})
 
-    _run_both(program)
+    # cuDNN enabled and not deterministic: its convolution backward may sum in another
+    # order from one run to the next (bitwise with cuDNN off or deterministic).
+    nondeterministic = case in ("cudnn_benchmark", "cudnn_no_tf32")
+    _run_both(program, cuda_inexact="cuDNN convolution backward" if nondeterministic else None)
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d.id == "cuda"])

@@ -287,3 +287,38 @@ def test_reseed_and_dropped_generator_between_forward_and_backward(device):
         return dict(y=y.detach(), after=torch.rand(4, device=device), **grads(dict(a=a)))
 
     run_both(program)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_ops_replay_bitwise_under_deterministic_algorithms(device):
+    """Under ``torch.use_deterministic_algorithms(True)`` (restored after, also when the
+    run fails): dropout, bernoulli and rand_like in a block replay in backward with the
+    numbers they drew in forward, and the gradients are bitwise those of the plain program
+    (``torch.equal`` on CUDA too).  Elementwise ops only: no cuBLAS call, which would need
+    ``CUBLAS_WORKSPACE_CONFIG`` set before the process starts."""
+
+    def program(scope):
+        a = torch.randn(64, 48, device=device, requires_grad=True)
+        c = torch.randn(64, 48, device=device, requires_grad=True)
+        with scope():
+            h = F.dropout(a.sin(), 0.3, training=True)
+            m = torch.bernoulli(torch.sigmoid(a.detach()))
+            r = torch.rand_like(a)
+            x = (h * m + r * a.cos()).tanh()
+        y = x * c
+        refs = [weakref.ref(t) for t in (h, m, r, x)]
+        del h, m, r, x
+        if scope.real:
+            assert dead(*refs)
+        _noise_between(device)
+        y.sum().backward()
+        return dict(y=y.detach(), after=torch.rand(3, device=device), **grads(dict(a=a, c=c)))
+
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        scopes, _ = run_both(program)
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    assert stat(scopes.created[0], "replays") >= 1

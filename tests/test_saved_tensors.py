@@ -15,21 +15,21 @@ from _contract import check, leaf, weighted_sum
 from conftest import stat
 
 
-def _outside(kind: str) -> torch.Tensor:
+def _outside(kind: str, device: str) -> torch.Tensor:
     if kind == "leaf":
-        return leaf(3)
+        return leaf(3, device=device)
     if kind == "parameter":
-        return nn.Parameter(torch.randn(3))
+        return nn.Parameter(torch.randn(3, device=device))
     if kind == "nonleaf":
-        return leaf(3) * 2
+        return leaf(3, device=device) * 2
     if kind == "view":
-        return torch.randn(6)[1:4]
-    return torch.randn(3)
+        return torch.randn(6, device=device)[1:4]
+    return torch.randn(3, device=device)
 
 
 @pytest.mark.parametrize("where", ["inside", "after_block_hooks_alive"])
 @pytest.mark.parametrize("kind", ["no_grad", "view"])
-def test_outside_tensor_saved_comes_back_as_same_object(kind, where):
+def test_outside_tensor_saved_comes_back_as_same_object(kind, where, device):
     """A tensor that is not the scope's (from outside the block), saved by an op, comes
     back from autograd as the same object, as without hooks (PyTorch's own checkpoint
     test checks ``saved is b`` the same way, and torch.utils.checkpoint passes it).
@@ -37,8 +37,8 @@ def test_outside_tensor_saved_comes_back_as_same_object(kind, where):
     Only for tensors that do not require grad: for those that do, PyTorch itself re-wraps
     whatever an unpack hook returns into a new tensor object (SavedVariable::unpack), even
     for ``saved_tensors_hooks(lambda x: x, lambda x: x)`` -- see the next test."""
-    a = leaf(3)
-    b = _outside(kind)
+    a = leaf(3, device=device)
+    b = _outside(kind, device)
     y0 = a * b  # ground truth: no hooks
     assert y0.grad_fn._saved_other is b
     del y0
@@ -57,12 +57,12 @@ def test_outside_tensor_saved_comes_back_as_same_object(kind, where):
 
 @pytest.mark.parametrize("where", ["inside", "after_block_hooks_alive"])
 @pytest.mark.parametrize("kind", ["leaf", "parameter", "nonleaf"])
-def test_outside_tensor_requiring_grad_saved_is_not_copied(kind, where):
+def test_outside_tensor_requiring_grad_saved_is_not_copied(kind, where, device):
     """For tensors that require grad, object identity is out of any hook's reach (see
     above); what a scope must still give is b itself re-wrapped: the same storage, offset
     and version, no copy."""
-    a = leaf(3)
-    b = _outside(kind)
+    a = leaf(3, device=device)
+    b = _outside(kind, device)
     keep = None
     if where == "inside":
         with recompute_scope():
@@ -83,14 +83,14 @@ def test_outside_tensor_requiring_grad_saved_is_not_copied(kind, where):
 
 
 @pytest.mark.parametrize("read", ["add", "mul", "view", "inplace_on_clone"])
-def test_block_tensor_held_by_later_scope_is_not_recomputed(read):
+def test_block_tensor_held_by_later_scope_is_not_recomputed(read, device):
     """A block tensor that a later scope read (and so keeps in memory) is used as it is
     in backward: its own scope replays nothing."""
 
     def program(scope):
-        a = leaf(4, 4)
-        w = leaf(4, 4)
-        c = torch.randn(4, 4)
+        a = leaf(4, 4, device=device)
+        w = leaf(4, 4, device=device)
+        c = torch.randn(4, 4, device=device)
         with scope():
             h = a.exp()
         with scope():
@@ -118,10 +118,10 @@ def test_block_tensor_held_by_later_scope_is_not_recomputed(read):
     )
 
 
-def test_block_tensor_kept_by_user_is_not_recomputed():
+def test_block_tensor_kept_by_user_is_not_recomputed(device):
     def program(scope):
-        a = leaf(4, 4)
-        c = torch.randn(4, 4)
+        a = leaf(4, 4, device=device)
+        c = torch.randn(4, 4, device=device)
         with scope():
             h = a.exp()
         y = h.sin() * c

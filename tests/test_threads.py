@@ -41,9 +41,9 @@ def in_thread(fn, *args):
 # backward in another thread
 
 
-def test_backward_in_other_thread_tensors_dead():
+def test_backward_in_other_thread_tensors_dead(device):
     def program(scope):
-        a, b, c = (torch.randn(5, 6, requires_grad=True) for _ in range(3))
+        a, b, c = (torch.randn(5, 6, requires_grad=True, device=device) for _ in range(3))
         with scope():
             h = (a * b).exp()
             d = torch.dropout(h, 0.3, True).tanh()
@@ -57,11 +57,11 @@ def test_backward_in_other_thread_tensors_dead():
     assert_stacks_clean()
 
 
-def test_backward_in_other_thread_tensors_alive():
+def test_backward_in_other_thread_tensors_alive(device):
     """Block tensors still alive in the forward thread while backward runs elsewhere."""
 
     def program(scope):
-        a, b = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+        a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
         with scope():
             h = (a @ b).sigmoid()
         y = (h * h.t()).sum()
@@ -74,13 +74,13 @@ def test_backward_in_other_thread_tensors_alive():
     assert_stacks_clean()
 
 
-def test_last_block_tensor_dies_in_other_thread():
+def test_last_block_tensor_dies_in_other_thread(device):
     """The worker thread holds the only references (graph and block tensors), runs
     backward and drops them. No thread can edit another thread's hook stack, so the
     forward thread's pair stays, inert, until that thread's next safe point (here its
     next backward call); meanwhile it hands everything on exactly as if absent."""
     hooks0 = top_hooks()
-    a, b = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
     with recompute_scope():
         h = (a @ b).exp()
     holder = [h, (h * b).sum()]
@@ -92,7 +92,7 @@ def test_last_block_tensor_dies_in_other_thread():
 
     in_thread(work)
     # Inert meanwhile: PyTorch's in-place check still fires for an ordinary tensor.
-    w = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True, device=device)
     p = w * 2
     q = p.sin()
     p.add_(1)
@@ -106,9 +106,9 @@ def test_last_block_tensor_dies_in_other_thread():
     assert_stacks_clean()
 
 
-def test_many_backwards_in_threads_with_retain_graph():
+def test_many_backwards_in_threads_with_retain_graph(device):
     def program(scope):
-        a, b = (torch.randn(6, 3, requires_grad=True) for _ in range(2))
+        a, b = (torch.randn(6, 3, requires_grad=True, device=device) for _ in range(2))
         with scope():
             h = (a + b).sin() * a
         y = (h.exp() * b).sum()
@@ -130,9 +130,9 @@ def test_many_backwards_in_threads_with_retain_graph():
 class Net(torch.nn.Module):
     def __init__(self, gen):
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.randn(8, 16, generator=gen) * 0.3)
-        self.w2 = torch.nn.Parameter(torch.randn(16, 16, generator=gen) * 0.3)
-        self.w3 = torch.nn.Parameter(torch.randn(16, 2, generator=gen) * 0.3)
+        self.w1 = torch.nn.Parameter(torch.randn(8, 16, generator=gen, device=gen.device) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(16, 16, generator=gen, device=gen.device) * 0.3)
+        self.w3 = torch.nn.Parameter(torch.randn(16, 2, generator=gen, device=gen.device) * 0.3)
 
     def forward(self, x, scope, gen):
         h = x @ self.w1
@@ -146,14 +146,14 @@ class Net(torch.nn.Module):
         return c @ self.w3
 
 
-def train(seed, scope, steps=15):
-    gen = torch.Generator().manual_seed(seed)
+def train(seed, scope, device, steps=15):
+    gen = torch.Generator(device=device).manual_seed(seed)
     net = Net(gen)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     losses = []
     for _ in range(steps):
-        x = torch.randn(6, 8, generator=gen)
-        t = torch.randn(6, 2, generator=gen)
+        x = torch.randn(6, 8, generator=gen, device=device)
+        t = torch.randn(6, 2, generator=gen, device=device)
         opt.zero_grad()
         loss = (net(x, scope, gen) - t).pow(2).mean()
         loss.backward()
@@ -162,10 +162,10 @@ def train(seed, scope, steps=15):
     return losses, [p.detach().clone() for p in net.parameters()]
 
 
-def test_two_threads_train_concurrently():
+def test_two_threads_train_concurrently(device):
     seeds = [1, 2]
-    sequential = [train(s, Scopes()) for s in seeds]
-    plain = [train(s, PlainScopes()) for s in seeds]
+    sequential = [train(s, Scopes(), device) for s in seeds]
+    plain = [train(s, PlainScopes(), device) for s in seeds]
 
     results = {}
     errors = []
@@ -174,7 +174,7 @@ def test_two_threads_train_concurrently():
     def worker(s):
         try:
             barrier.wait(TIMEOUT)
-            results[s] = train(s, Scopes())
+            results[s] = train(s, Scopes(), device)
             results[(s, "hooks")] = top_hooks()
         except BaseException as e:  # noqa: BLE001
             errors.append(f"{type(e).__name__}: {e}")
@@ -199,14 +199,14 @@ def test_two_threads_train_concurrently():
     assert_stacks_clean()
 
 
-def test_thread_forward_while_other_thread_backward():
+def test_thread_forward_while_other_thread_backward(device):
     """One thread runs forwards with open scopes while another thread runs backward of
     graphs the first produced (a pipeline), results equal to the plain program."""
     import queue
 
     def program(scope):
-        gen = torch.Generator().manual_seed(3)
-        w = torch.randn(5, 5, generator=gen, requires_grad=True)
+        gen = torch.Generator(device=device).manual_seed(3)
+        w = torch.randn(5, 5, generator=gen, requires_grad=True, device=device)
         q = queue.Queue()
         done = []
 
@@ -221,7 +221,7 @@ def test_thread_forward_while_other_thread_backward():
         t = threading.Thread(target=consumer)
         t.start()
         for _ in range(6):
-            x = torch.randn(3, 5, generator=gen)
+            x = torch.randn(3, 5, generator=gen, device=device)
             with scope():
                 h = (x @ w).tanh()
                 k = h * h.exp()
@@ -236,14 +236,14 @@ def test_thread_forward_while_other_thread_backward():
     assert_stacks_clean()
 
 
-def test_forward_thread_after_other_thread_dropped_last_tensor():
+def test_forward_thread_after_other_thread_dropped_last_tensor(device):
     """``docs/concepts.md`` wants the interception gone once the last block tensor dies. When it dies
     in another thread, nothing can edit this thread's (thread-local) hook stack, so our
     pair stays -- inert, and torch.func refuses to run (``docs/limitations.md``) -- until this thread's
     next safe point (entering a scope here), after which everything is clean. This test
     pins down that documented limitation."""
     hooks0 = top_hooks()
-    a, b = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+    a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
     with recompute_scope():
         h = (a @ b).exp()
     holder = [h, (h * b).sum()]
@@ -255,7 +255,7 @@ def test_forward_thread_after_other_thread_dropped_last_tensor():
 
     in_thread(work)
     assert top_hooks() != hooks0  # the pair is still on this thread's stack ...
-    x = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True, device=device)
     y = x * 2
     z = y.sin()
     y.add_(1)  # ... but inert: PyTorch's in-place check still fires
@@ -264,6 +264,6 @@ def test_forward_thread_after_other_thread_dropped_last_tensor():
     with recompute_scope():  # a safe point of this thread
         pass
     assert top_hooks() == hooks0
-    g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3))
-    assert torch.equal(g, torch.ones(3).cos())
+    g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3, device=device))
+    assert torch.equal(g, torch.ones(3, device=device).cos())
     assert_stacks_clean()

@@ -54,12 +54,12 @@ def _run_both(program):
 
 @pytest.mark.parametrize("grad_mode", ["no_grad", "grad"])
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_read_after_unrecorded_write(writer, grad_mode):
+def test_read_after_unrecorded_write(writer, grad_mode, device):
     write = WRITERS[writer]
 
     def program(scope):
-        a = torch.randn(3, 4, requires_grad=True)
-        c = torch.randn(3, 4, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
+        c = torch.randn(3, 4, requires_grad=True, device=device)
 
         def fwd():
             with scope():
@@ -80,12 +80,12 @@ def test_read_after_unrecorded_write(writer, grad_mode):
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_write_of_a_view_made_in_block(writer):
+def test_write_of_a_view_made_in_block(writer, device):
     write = WRITERS[writer]
 
     def program(scope):
-        a = torch.randn(3, 4, requires_grad=True)
-        c = torch.randn(4, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
+        c = torch.randn(4, requires_grad=True, device=device)
 
         def fwd():
             with scope():
@@ -102,11 +102,11 @@ def test_write_of_a_view_made_in_block(writer):
     _run_both(program)
 
 
-def test_saved_before_unrecorded_write_raises():
+def test_saved_before_unrecorded_write_raises(device):
     # sin saved x before the compiled write: PyTorch raises its in-place error; the
     # scope cannot rebuild the saved value and raises too (a RuntimeError either way).
     def program(scope):
-        a = torch.randn(3, 4, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
 
         def fwd():
             with scope():
@@ -124,10 +124,10 @@ def test_saved_before_unrecorded_write_raises():
         program(Scopes())
 
 
-def test_tensor_saved_after_unrecorded_write_is_stored():
+def test_tensor_saved_after_unrecorded_write_is_stored(device):
     # Saved after the write (by an op after the block): stored, not replayed.
     def program(scope):
-        a = torch.randn(3, 4, requires_grad=True)
+        a = torch.randn(3, 4, requires_grad=True, device=device)
 
         def fwd():
             with scope():

@@ -73,10 +73,10 @@ WHERE = [
 ]
 
 
-def _view_program(make_base, view, where_view, where_save):
+def _view_program(make_base, view, where_view, where_save, device):
     def program(scope):
-        a = leaf(4, 4)
-        w = leaf(4, 4)
+        a = leaf(4, 4, device=device)
+        w = leaf(4, 4, device=device)
         with scope():
             h = make_base(a * w)
             if where_view in ("inside", "inside_then_t"):
@@ -101,24 +101,24 @@ def _view_program(make_base, view, where_view, where_save):
 
 @pytest.mark.parametrize("where", WHERE, ids=["-".join(w) for w in WHERE])
 @pytest.mark.parametrize("view", list(COMPLEX_VIEWS))
-def test_complex_views(view, where):
-    check(_view_program(_cplx, COMPLEX_VIEWS[view], *where))
+def test_complex_views(view, where, device):
+    check(_view_program(_cplx, COMPLEX_VIEWS[view], *where, device))
 
 
 @pytest.mark.parametrize("where", WHERE, ids=["-".join(w) for w in WHERE])
 @pytest.mark.parametrize("view", list(REAL_VIEWS))
-def test_real_to_complex_views(view, where):
-    check(_view_program(lambda t: t * 2 + 1, REAL_VIEWS[view], *where))
+def test_real_to_complex_views(view, where, device):
+    check(_view_program(lambda t: t * 2 + 1, REAL_VIEWS[view], *where, device))
 
 
 @pytest.mark.parametrize("where", WHERE, ids=["-".join(w) for w in WHERE])
-def test_dtype_view_of_block_tensor_saved(where):
+def test_dtype_view_of_block_tensor_saved(where, device):
     """Tensor.view(dtype): an int64 block tensor seen as float64 (same itemsize) and
     saved by mul for the gradient of a float64 leaf."""
 
     def program(scope):
-        w = leaf(4, 4, dtype=torch.float64)
-        src = torch.randint(0, 1000, (4, 4))
+        w = leaf(4, 4, dtype=torch.float64, device=device)
+        src = torch.randint(0, 1000, (4, 4), device=device)
         with scope():
             idx = src * 3 + 1
             if where[0] in ("inside", "inside_then_t"):
@@ -141,11 +141,11 @@ def test_dtype_view_of_block_tensor_saved(where):
     check(program)
 
 
-def test_conj_view_with_debug_and_retain_graph():
+def test_conj_view_with_debug_and_retain_graph(device):
     """The same conj view served twice (retain_graph) and checked by debug."""
 
     def program(scope):
-        a = leaf(4, 4)
+        a = leaf(4, 4, device=device)
         with scope():
             h = _cplx(a)
         v = h.conj()
@@ -171,14 +171,14 @@ UNSAFE_SPLITS = {
 
 @pytest.mark.parametrize("where", ["inside", "after"])
 @pytest.mark.parametrize("split", list(UNSAFE_SPLITS))
-def test_unsafe_split_pieces_alias_their_input(split, where):
+def test_unsafe_split_pieces_alias_their_input(split, where, device):
     """unsafe_split / unsafe_chunk pieces share the input's storage (but not its version
     counter) although the schema declares no alias: an in-place write to a piece -- in
     the block or after it -- changes the input, which is then saved."""
 
     def program(scope):
-        a = leaf(4, 4)
-        c = leaf(4, 4)
+        a = leaf(4, 4, device=device)
+        c = leaf(4, 4, device=device)
         with scope():
             x = a * 2
             pieces = UNSAFE_SPLITS[split](x)
@@ -200,6 +200,8 @@ def test_gru_with_saved_matmuls(module, save):
     """GRU / GRUCell on CPU: gates = addmm(...).unsafe_chunk(3), then add_ / sigmoid_ in
     place on the pieces.  With addmm's output stored (save=), those writes land in the
     stored tensor."""
+    # CPU only: on CUDA GRU and GRUCell run fused kernels (cuDNN's RNN, _thnn_fused_gru_cell)
+    # with neither the addmm nor the unsafe_chunk under test.
     ops = [torch.ops.aten.addmm] if save == "addmm" else [torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm]
 
     def program(scope):
