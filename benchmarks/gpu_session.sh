@@ -2,15 +2,15 @@
 # One prepared run for a session that has a GPU (the device tool's `run`): the CUDA tests,
 # then the GPU benchmark, each phase under its own time limit, everything written under
 # $OUT (default ./gpu-session-out). Usage, from the repository root:
-#   bash benchmarks/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS]
+#   bash benchmarks/gpu_session.sh [TEST_SECONDS=300] [BENCH_SECONDS=330]
 # then commit $OUT/cuda-models/ to benchmarks/results/cuda-models/ and $OUT/tests.log's
 # summary line to the closing note. Nothing here installs anything: the device image has
 # torch, transformers and pytest.
 set -uo pipefail
 out="${OUT:-gpu-session-out}"
 mkdir -p "$out"
-tests="${1:-240}"
-bench="${2:-300}"
+tests="${1:-300}"
+bench="${2:-330}"
 export PYTHONUNBUFFERED=1
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
