@@ -315,8 +315,15 @@ def input_of(t: Tensor, registered: Any) -> Input:
 
 def bound_op(rec: OpRecord, inputs: list[Input]) -> OpRecord:
     """``rec`` with its markers replaced by this run's Inputs."""
+    args = rec.args.copy()
+    for i, a in enumerate(args):  # most markers are positional arguments themselves
+        t = type(a)
+        if t is Marker:
+            args[i] = inputs[a.k]
+        elif t is list:
+            args[i] = _bind(a, inputs)
     kwargs = {k: _bind(a, inputs) for k, a in rec.kwargs.items()} if rec.kwargs else rec.kwargs
-    return OpRecord(rec.func, [_bind(a, inputs) for a in rec.args], kwargs, rec.rng, rec.outs)
+    return tuple.__new__(OpRecord, (rec.func, args, kwargs, rec.rng, rec.outs))  # OpRecord(...), in C
 
 
 def _bind(a: Any, inputs: list[Input]) -> Any:
