@@ -252,23 +252,10 @@ class OpenBlock:
 
         out = f.kernel(*args, **kwargs)  # func(...) without OpOverload.__call__'s Python frame
 
-        # As _append does (inline here: no extra call on the path of every policy-free op).
-        ops = self.record.ops
-        index = len(ops)
+        index = len(self.record.ops)
         for root, t in pre or ():
             self.unsettled.append((root, t, index))
-        if isinstance(out, Tensor):
-            outs: tuple[Var | None, ...] = (_new_var(self, out, f, 0, args, kwargs, rargs, rkwargs, index),)
-        elif isinstance(out, (tuple, list)):
-            outs = tuple(
-                _new_var(self, o, f, i, args, kwargs, rargs, rkwargs, index) if isinstance(o, Tensor) else None
-                for i, o in enumerate(out)
-            )
-        else:
-            outs = ()
-        if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
-            rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
-        ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
+        _append(self, func, f, args, kwargs, rargs, rkwargs, rng, out)
         return out
 
     @staticmethod
