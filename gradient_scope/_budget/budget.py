@@ -42,8 +42,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
-from .measure import Measured, input_storages, measure, storage_of
+from .measure import Measured, costs, input_storages, measure, storage_of
 from .planner import BlockGraph, Candidate, build_chain, choose
+from .rates import rates_for
 
 __all__ = ["Budget", "BudgetCurve", "StoredOp", "parse_bytes"]
 
@@ -410,7 +411,7 @@ class Budget:
             m = measure(record)
             g = BlockGraph(
                 _where(bp.site),
-                tuple(m.costs),
+                costs(m, rates_for(m.device)),
                 tuple(m.reads),
                 tuple(m.producers),
                 tuple(m.cuttable),

@@ -5,11 +5,12 @@
 * :func:`input_storages` -- what the record keeps for replay: the outside tensors it
   read and the generator states of its random ops.
 
-Cost model (cost units): an op with a FLOP formula registered in
-``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels) costs its
-FLOPs; a view costs 1; any other op costs the bytes it reads and writes (one unit per
-byte moved). Matmul-like ops do hundreds of FLOPs per byte, so the planner stores
-their outputs first, as ``save_matmuls`` would by hand.
+Cost model (seconds): each op has its work -- the FLOPs of a formula registered in
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels; 0 for the rest)
+and the bytes it reads and writes (0 for a view) -- and its replay takes the slower of
+FLOPs and bytes at the device's measured rates, plus one op's overhead
+(``_budget.rates.seconds``). A matmul does hundreds of FLOPs per byte it moves, so at a
+device's rates its output spares more time per byte than an elementwise op's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from torch.utils.flop_counter import flop_registry
 
 from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
 from .._restore.replay import op_refs
+from .rates import Rates, seconds
 
-__all__ = ["value_index", "measure", "Measured", "input_storages", "storage_of"]
+__all__ = ["value_index", "measure", "costs", "op_work", "Measured", "input_storages", "storage_of"]
 
 Tensor = torch.Tensor
 
@@ -35,10 +37,12 @@ def value_index(record: BlockRecord) -> dict[Var, int]:
 class Measured:
     """What :func:`measure` reads from a closed record (plain data)."""
 
-    __slots__ = ("costs", "reads", "producers", "cuttable", "needs", "names", "places")
+    __slots__ = ("flops", "moved", "reads", "producers", "cuttable", "needs", "names", "places", "device")
 
     def __init__(self) -> None:
-        self.costs: list[float] = []
+        self.flops: list[float] = []  # per op
+        self.moved: list[float] = []  # per op: bytes read and written
+        self.device = torch.device("cpu")  # of the block's first output
         self.reads: list[tuple[int, ...]] = []
         self.names: list[str] = []  # per op
         self.producers: list[int] = []  # per value
@@ -48,11 +52,16 @@ class Measured:
 
 
 def measure(record: BlockRecord) -> Measured:
-    """The costs and reads of every op of a closed ``record``."""
+    """The work and reads of every op of a closed ``record``."""
     index = value_index(record)
     m = Measured()
+    device = None
     for i, rec in enumerate(record.ops):
-        m.costs.append(op_cost(rec))
+        flops, moved = op_work(rec)
+        m.flops.append(flops)
+        m.moved.append(moved)
+        if device is None:
+            device = next((v.device for v in rec.outs if v is not None), None)
         m.reads.append(tuple(index[r] for r in op_refs(rec) if type(r) is Var))
         m.names.append(str(rec.func))
         for k, v in enumerate(rec.outs):
@@ -62,7 +71,14 @@ def measure(record: BlockRecord) -> Measured:
                 m.cuttable.append(not writes)
                 m.needs.append(tuple(j for j, _ in writes))
                 m.places.append((i, k))
+    if device is not None:
+        m.device = device
     return m
+
+
+def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
+    """Each op's replay time in seconds at ``rates``."""
+    return tuple(seconds(f, b, rates) for f, b in zip(m.flops, m.moved))
 
 
 def _nbytes(a: Any) -> int:
@@ -85,27 +101,29 @@ def _shape(a: Any) -> Any:
     return a
 
 
-def op_cost(rec: OpRecord) -> float:
-    """The replay cost of one recorded op (see the module docstring)."""
+def op_work(rec: OpRecord) -> tuple[float, float]:
+    """``(FLOPs, bytes moved)`` of one recorded op (see the module docstring)."""
     func, args, kwargs, outs = rec.func, rec.args, rec.kwargs, rec.outs
+    flops = 0.0
     formula = flop_registry.get(getattr(func, "overloadpacket", None))
     if formula is not None:
         out_shapes = tuple(None if v is None else v.size for v in outs)
         try:
-            flops = formula(
-                *[_shape(a) for a in args],
-                out_val=out_shapes[0] if len(out_shapes) == 1 else out_shapes,
-                **{k: _shape(a) for k, a in kwargs.items()},
+            flops = float(
+                formula(
+                    *[_shape(a) for a in args],
+                    out_val=out_shapes[0] if len(out_shapes) == 1 else out_shapes,
+                    **{k: _shape(a) for k, a in kwargs.items()},
+                )
             )
-            return float(max(int(flops), 1))
-        except Exception:  # noqa: BLE001  (a formula that cannot read this call: bytes instead)
-            pass
+        except Exception:  # noqa: BLE001  (a formula that cannot read this call: bytes only)
+            flops = 0.0
     if getattr(func, "is_view", False):
-        return 1.0
+        return flops, 0.0
     moved = sum(_nbytes(a) for a in (*args, *kwargs.values()))
     moved += sum(_nbytes(x) for a in args if type(a) is list for x in a)
     moved += sum(_nbytes(v) for v in outs if v is not None)
-    return float(max(moved, 1))
+    return flops, float(moved)
 
 
 def storage_of(t: Tensor) -> tuple[int, int] | None:
