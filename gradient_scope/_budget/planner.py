@@ -294,24 +294,34 @@ def decide(
     for c in chain.order:
         cand = candidates[c]
         room.append(room[-1] + (cand.nbytes if cand.offloadable else 0))
-    best: tuple[tuple[float, float, int], int, int] | None = None
+    # Each feasible prefix with the least time it could have (its bytes over the budget
+    # offloaded exactly); the items picked may overshoot by part of one, so the best few
+    # are picked for real, in order of that bound, until the bound cannot win.
+    bounds: list[tuple[float, int, int]] = []
     for k in range(len(chain.order) + 1):
         excess = floor_total + chain.nbytes[k] - budget
         if excess <= 0:
-            key = (chain.cost[k], 0.0, -k)
+            bounds.append((chain.cost[k], -k, 0))
         elif transfer is not None and excess <= min(host, room[k]):
-            key = (chain.cost[k] + transfer.exposed(excess), float(excess), -k)
-        else:
-            continue
+            bounds.append((chain.cost[k] + transfer.exposed(excess), -k, excess))
+    bounds.sort(key=lambda b: (b[0], b[2], b[1]))
+    best: tuple[tuple[float, int, int], int, tuple[frozenset[int], frozenset[int], int]] | None = None
+    for bound, neg_k, want in bounds:
+        if best is not None and bound > best[0][0]:
+            break
+        picked = _pick(chain, candidates, floor, -neg_k, want, host)
+        exposed = transfer.exposed(picked[2]) if transfer is not None and picked[2] else 0.0
+        key = (chain.cost[-neg_k] + exposed, picked[2], neg_k)
         if best is None or key < best[0]:
-            best = (key, k, max(excess, 0))
+            best = (key, -neg_k, picked)
     below = best is None
     if best is None:  # K5: as close as possible
         k = chain.prefix(0)
         want = int(min(host, room[k])) if transfer is not None else 0
+        picked = _pick(chain, candidates, floor, k, want, host)
     else:
-        _, k, want = best
-    off_floor, off_cands, moved = _pick(chain, candidates, floor, k, want, host)
+        _, k, picked = best
+    off_floor, off_cands, moved = picked
     device = floor_total + chain.nbytes[k] - moved
     exposed = transfer.exposed(moved) if transfer is not None and moved else 0.0
     return Decision(k, off_cands, off_floor, device, moved, chain.cost[k], exposed, below or device > max(budget, 0))
