@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gradient_scope._budget import streams
-from gradient_scope._budget.offload import Offloaded, Offloader
+from gradient_scope._budget.offload import Offloaded, Offloader, evict, restore
 from gradient_scope._budget.streams import HostCopyStandIn, host_copy_stand_in
 
 from conftest import DEVICES
@@ -279,16 +279,16 @@ def test_an_input_offloaded_in_place_comes_back_for_its_reader(device):
         expected = src.clone()
         alias = src.detach()
         # the source itself still holds the storage: not ours alone, not offloaded
-        assert not engine.evict([alias], "in")
+        assert not evict(engine, [alias], "in")
         ref = weakref.ref(src)
         del src
         assert ref() is None
-        assert engine.evict([alias], "in")
+        assert evict(engine, [alias], "in")
         assert alias.untyped_storage().nbytes() == 0
         engine.start_backward()  # prefetched into a buffer of its own
-        assert engine.restore(alias)
+        assert restore(engine, alias)
         assert torch.equal(alias, expected)
-        assert not engine.restore(alias)  # once
+        assert not restore(engine, alias)  # once
         del alias
         gc.collect()
         assert engine.live_bytes == 0

@@ -3,7 +3,8 @@
 * :func:`measure` -- the block as the planner's graph (``_budget.planner.BlockGraph``, without
   its saved values, which the pack hook reports): each op's cost and the values it reads.
 * :func:`input_storages` -- what the record keeps for replay: the outside tensors it
-  read and the generator states of its random ops.
+  read and the generator states of its random ops; :func:`kept_inputs` -- the outside
+  tensors among them, with the record's aliases of each (what offloading one moves).
 
 Cost model (seconds): each op has its work -- the FLOPs of a formula registered in
 ``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels; 0 for the rest)
@@ -24,7 +25,16 @@ from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
 from .._restore.replay import op_refs
 from .rates import Rates, seconds
 
-__all__ = ["value_index", "measure", "costs", "op_work", "Measured", "input_storages", "storage_of"]
+__all__ = [
+    "value_index",
+    "measure",
+    "costs",
+    "op_work",
+    "Measured",
+    "input_storages",
+    "kept_inputs",
+    "storage_of",
+]
 
 Tensor = torch.Tensor
 
@@ -37,12 +47,26 @@ def value_index(record: BlockRecord) -> dict[Var, int]:
 class Measured:
     """What :func:`measure` reads from a closed record (plain data)."""
 
-    __slots__ = ("flops", "moved", "reads", "producers", "cuttable", "needs", "names", "places", "device")
+    __slots__ = (
+        "flops",
+        "moved",
+        "reads",
+        "producers",
+        "cuttable",
+        "needs",
+        "names",
+        "places",
+        "device",
+        "params",
+        "out",
+    )
 
     def __init__(self) -> None:
         self.flops: list[float] = []  # per op
         self.moved: list[float] = []  # per op: bytes read and written
         self.device = torch.device("cpu")  # of the block's first output
+        self.params = 0  # bytes of the parameters it reads that require grad: their gradients come
+        self.out = 0  # bytes of its last op's first output (its output, usually)
         self.reads: list[tuple[int, ...]] = []
         self.names: list[str] = []  # per op
         self.producers: list[int] = []  # per value
@@ -73,7 +97,23 @@ def measure(record: BlockRecord) -> Measured:
                 m.places.append((i, k))
     if device is not None:
         m.device = device
+    m.params = _param_bytes(record)
+    last = next((v for v in record.ops[-1].outs if v is not None), None) if record.ops else None
+    m.out = _nbytes(last) if last is not None else 0
     return m
+
+
+def _param_bytes(record: BlockRecord) -> int:
+    seen: dict[int, int] = {}
+    for rec in record.ops:
+        for r in op_refs(rec):
+            if type(r) is Input and not r.snapshot:
+                src = r.source()
+                if isinstance(src, torch.nn.Parameter) and src.requires_grad:
+                    where = storage_of(r.tensor)
+                    if where is not None:
+                        seen[where[0]] = where[1]
+    return sum(seen.values())
 
 
 def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
@@ -138,29 +178,54 @@ def storage_of(t: Tensor) -> tuple[int, int] | None:
     return (s.data_ptr(), n) if n else None
 
 
+def _alive_anyway(r: Input) -> bool:
+    """A parameter, or another leaf that requires grad: alive whatever the block keeps."""
+    src = r.source()
+    if r.snapshot or src is None:
+        return False
+    return isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad)
+
+
 def input_storages(record: BlockRecord) -> dict[int, int]:
     """The storages (address -> bytes) of the outside tensors ``record`` keeps for
     replay, leaving out parameters and leaves that require grad (alive anyway), and of
-    the generator states of its random ops."""
+    the generator states of its random ops (host memory: counted for a block on the CPU
+    only)."""
     out: dict[int, int] = {}
     seen: set[int] = set()
+    device = None
     for rec in record.ops:
-        if rec.rng is not None:  # a random op's generator state, kept for its replay
-            where = storage_of(rec.rng[1])
+        if device is None:
+            device = next((v.device for v in rec.outs if v is not None), None)
+        if rec.rng is not None and (device is None or device.type == "cpu"):
+            where = storage_of(rec.rng[1])  # a random op's generator state, kept for its replay
             if where is not None:
                 out[where[0]] = where[1]
         for r in op_refs(rec):
             if type(r) is not Input or id(r) in seen:
                 continue
             seen.add(id(r))
-            src = r.source()
-            if (
-                not r.snapshot
-                and src is not None
-                and (isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad))
-            ):
+            if _alive_anyway(r):
                 continue
             where = storage_of(r.tensor)
             if where is not None:
                 out[where[0]] = where[1]
+    return out
+
+
+def kept_inputs(record: BlockRecord) -> dict[int, list[Input]]:
+    """The outside tensors ``record`` keeps for replay (not the generator states), by
+    storage address, with every Input of each: the order of :func:`input_storages`."""
+    out: dict[int, list[Input]] = {}
+    seen: set[int] = set()
+    for rec in record.ops:
+        for r in op_refs(rec):
+            if type(r) is not Input or id(r) in seen:
+                continue
+            seen.add(id(r))
+            if _alive_anyway(r):
+                continue
+            where = storage_of(r.tensor)
+            if where is not None:
+                out.setdefault(where[0], []).append(r)
     return out

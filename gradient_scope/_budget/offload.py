@@ -43,10 +43,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._base.errors import inplace_error
 from .._base.torch_compat import storage_id, storage_use_count, without_python_dispatch, without_torch_function
-from .hostpool import HostBlock, HostPool
+from .hostpool import SLAB, HostBlock, HostPool
 from .streams import Backend, backend_for
 
-__all__ = ["Offloader", "Offloaded", "HostCopy"]
+__all__ = ["Offloader", "Offloaded", "HostCopy", "evict", "restore", "engines", "evicted_bytes"]
 
 Tensor = torch.Tensor
 
@@ -145,7 +145,7 @@ class HostCopy:
 class Offloaded:
     """What a saved tensor becomes when it is offloaded: its host copy and its view (O1)."""
 
-    __slots__ = ("copy", "dtype", "size", "stride", "offset", "version", "sources")
+    __slots__ = ("copy", "dtype", "size", "stride", "offset", "version", "sources", "__weakref__")
 
     def __init__(self, copy: HostCopy, t: Tensor) -> None:
         self.copy = copy
@@ -196,16 +196,23 @@ class Offloader:
         self.plan: list[weakref.ref[HostCopy]] = []
         self.started = False
         self.in_flight = 0  # bytes fetched back and not yet served
+        self.slab = SLAB
 
     # -- plumbing
 
     def pool_of(self, backend: Backend) -> HostPool:
         pool = self.pools.get(id(backend))
         if pool is None:
-            pool = self.pools[id(backend)] = HostPool(backend, self.host_limit)
+            pool = self.pools[id(backend)] = HostPool(backend, self.host_limit, self.slab)
         return pool
 
-    def _streams(self, backend: Backend, device: torch.device) -> tuple[Any, Any]:
+    def expect(self, nbytes: int) -> None:
+        """A plan will offload about ``nbytes`` per step: size new slabs for it."""
+        self.slab = min(max(nbytes, 1 << 20), SLAB)
+        for pool in self.pools.values():
+            pool.slab = self.slab if pool.limit is None else max(min(self.slab, pool.limit), 1)
+
+    def streams_of(self, backend: Backend, device: torch.device) -> tuple[Any, Any]:
         key = (id(backend), device)
         pair = self.streams.get(key)
         if pair is None:
@@ -271,17 +278,17 @@ class Offloader:
 
     # -- copies
 
-    def _copy_out(self, t: Tensor, storage: torch.UntypedStorage, key: Hashable) -> HostCopy | None:
+    def copy_out(self, t: Tensor, storage: torch.UntypedStorage, key: Hashable) -> HostCopy | None:
         backend = backend_for(t)
         nbytes = storage.nbytes()
         if backend is None or not nbytes:
             return None
-        block = self.pool_of(backend).alloc(nbytes)
-        if block is None:
-            return None  # no host room: the tensor stays on the device
         device = t.device
-        out, _ = self._streams(backend, device)
+        out, _ = self.streams_of(backend, device)
         with _Quiet():
+            block = self.pool_of(backend).alloc(nbytes)
+            if block is None:
+                return None  # no host room: the tensor stays on the device
             src = _bytes_of(storage, device)
             ready = backend.record_event(backend.current_stream(device))  # O2: queried now
             with backend.use_stream(out):
@@ -297,7 +304,7 @@ class Offloader:
     def copy_back(self, hc: HostCopy) -> None:
         """Start ``hc``'s copy back on the copy-back stream (call under ``lock``; O3)."""
         backend = hc.backend
-        _, back = self._streams(backend, hc.device)
+        _, back = self.streams_of(backend, hc.device)
         with _Quiet(), backend.use_stream(back):
             backend.wait_event(back, hc.out_event)
             value = backend.device_empty(hc.nbytes, hc.device)
@@ -319,72 +326,93 @@ class Offloader:
             seen = self.copies.get((sid, t._version))
             hc = seen[1]() if seen is not None and not seen[0].expired() else None
             if hc is None:
-                hc = self._copy_out(t, storage, key)
+                hc = self.copy_out(t, storage, key)
                 if hc is None:
                     return None
                 self.copies[(sid, t._version)] = (StorageWeakRef(storage), weakref.ref(hc))
             return Offloaded(hc, t)
 
-    # -- inputs kept for replay, in place (O5)
 
-    def evict(self, aliases: list[Tensor], key: Hashable) -> bool:
-        """Offload the storage of ``aliases`` (tensors of one storage, our only holders
-        of it) in place; False where it cannot be (others hold it, no room)."""
-        t = aliases[0]
-        if type(t) is not Tensor or t.layout != torch.strided or backend_for(t) is None:
+# ---------------------------------------------------------------- inputs kept for replay, in place (O5)
+
+
+def evict(engine: Offloader, aliases: list[Tensor], key: Hashable) -> bool:
+    """O5: offload the storage of ``aliases`` (tensors of one storage, our only holders
+    of it) in place; False where it cannot be (others hold it, no room)."""
+    t = aliases[0]
+    if type(t) is not Tensor or t.layout != torch.strided or backend_for(t) is None:
+        return False
+    storage = t.untyped_storage()
+    count = storage_use_count(storage)
+    if count is None or count != len({id(a) for a in aliases}) + 1 or not storage.nbytes():
+        return False  # (+1: ``storage`` itself)
+    with engine.lock:
+        hc = engine.copy_out(t, storage, key)
+        if hc is None:
             return False
-        storage = t.untyped_storage()
-        count = storage_use_count(storage)
-        if count is None or count != len({id(a) for a in aliases}) + 1 or not storage.nbytes():
-            return False  # (+1: ``storage`` itself)
-        with self.lock:
-            hc = self._copy_out(t, storage, key)
-            if hc is None:
-                return False
-            out, _ = self._streams(hc.backend, hc.device)
-            hc.backend.free_storage(storage, out)
-            hc.storage = storage
-            sid = storage._cdata
-            self.evicted[sid] = hc
-        remaining = [len(aliases)]
-        ref = weakref.ref(self)
+        out, _ = engine.streams_of(hc.backend, hc.device)
+        hc.backend.free_storage(storage, out)
+        hc.storage = storage
+        sid = storage._cdata
+        engine.evicted[sid] = hc
+    remaining = [len(aliases)]
+    ref = weakref.ref(engine)
 
-        def gone(_: object) -> None:  # the last alias died: nothing will ask for it
-            remaining[0] -= 1
-            engine = ref()
-            if remaining[0] == 0 and engine is not None:
-                with engine.lock:
-                    if engine.evicted.get(sid) is hc:
-                        del engine.evicted[sid]
-                        hc.storage = None
+    def gone(_: object) -> None:  # the last alias died: nothing will ask for it
+        remaining[0] -= 1
+        live = ref()
+        if remaining[0] == 0 and live is not None:
+            with live.lock:
+                if live.evicted.get(sid) is hc:
+                    del live.evicted[sid]
+                    hc.storage = None
 
-        for a in aliases:
-            weakref.finalize(a, gone, None)
-        return True
+    for a in aliases:
+        weakref.finalize(a, gone, None)
+    return True
 
-    def restore(self, t: Tensor) -> bool:
-        """The freed-storage handler: regrow ``t``'s storage if this engine emptied it,
-        with its bytes (O5). True if it did."""
-        try:
-            sid = storage_id(t)
-        except (RuntimeError, NotImplementedError):
+
+def restore(engine: Offloader, t: Tensor) -> bool:
+    """O5, the freed-storage handler: regrow ``t``'s storage if this engine emptied it,
+    with its bytes. True if it did."""
+    try:
+        sid = storage_id(t)
+    except (RuntimeError, NotImplementedError):
+        return False
+    with engine.lock:
+        hc = engine.evicted.pop(sid, None)
+        if hc is None or hc.storage is None:
             return False
-        with self.lock:
-            hc = self.evicted.pop(sid, None)
-            if hc is None or hc.storage is None:
-                return False
-            self.consume(hc)
-            if hc.value is None:
-                self.copy_back(hc)
-            value, event, storage = hc.value, hc.back_event, hc.storage
-            hc.value = hc.storage = None
-            self.in_flight -= hc.nbytes
-        assert value is not None
-        backend = hc.backend
-        consumer = backend.current_stream(hc.device)
-        backend.wait_event(consumer, event)
-        backend.record_stream(value, consumer)
-        with _Quiet():
-            storage.resize_(hc.nbytes)
-            _bytes_of(storage, hc.device).copy_(value)
-        return True
+        engine.consume(hc)
+        if hc.value is None:
+            engine.copy_back(hc)
+        value, event, storage = hc.value, hc.back_event, hc.storage
+        hc.value = hc.storage = None
+        engine.in_flight -= hc.nbytes
+    assert value is not None
+    backend = hc.backend
+    consumer = backend.current_stream(hc.device)
+    backend.wait_event(consumer, event)
+    backend.record_stream(value, consumer)
+    with _Quiet():
+        storage.resize_(hc.nbytes)
+        _bytes_of(storage, hc.device).copy_(value)
+    return True
+
+
+#: Every live engine (the freed-storage handler asks them all: ``_budget.budget``).
+engines: weakref.WeakSet[Offloader] = weakref.WeakSet()
+
+
+def evicted_bytes(t: Tensor) -> tuple[int, int]:
+    """``(storage id, bytes)`` of ``t``'s storage if an engine offloaded it in place, else
+    ``(0, 0)`` (for the saved-tensor report)."""
+    try:
+        sid = storage_id(t)
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    for engine in list(engines):
+        hc = engine.evicted.get(sid)
+        if hc is not None:
+            return sid, hc.nbytes
+    return 0, 0

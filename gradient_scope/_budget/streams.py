@@ -25,7 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Backend", "CudaBackend", "HostCopyStandIn", "backend_for", "host_copy_stand_in"]
+from .._base.torch_compat import without_python_dispatch, without_torch_function
+
+__all__ = ["Backend", "CudaBackend", "HostCopyStandIn", "backend_for", "host_copy_stand_in", "offloadable"]
 
 Tensor = torch.Tensor
 
@@ -213,7 +215,8 @@ class HostCopyStandIn:
                     "host-copy stand-in: the source of a copy was freed before the copy ran "
                     "(the engine did not keep it for the side stream: record_stream)"
                 )
-            dst.copy_(s)
+            with torch.no_grad(), without_torch_function(), without_python_dispatch():
+                dst.copy_(s)  # (whenever it runs, no mode around sees it)
             self.copies += 1
 
         self._current().enqueue(run, "copy")
@@ -246,6 +249,11 @@ def backend_for(t: Tensor) -> Backend | None:
     if _stand_in and t.device.type == "cpu":
         return _stand_in[-1]
     return None
+
+
+def offloadable(device: torch.device) -> bool:
+    """Whether tensors on ``device`` have somewhere to go."""
+    return device.type == "cuda" or (bool(_stand_in) and device.type == "cpu")
 
 
 @contextlib.contextmanager
