@@ -3,7 +3,6 @@ engine (M1..M7 in ``_budget.budget``; ``Budget`` is the public face of a :class:
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -12,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._base.feedback import warn_user
 from .._record.types import BlockRecord
 from .._save import interception as _interception
 from .._save import pack as _pack
@@ -198,9 +198,10 @@ class Run:
         _plan(self, blocks, regions)
 
     def warn_once(self, what: str, message: str) -> None:
+        """Warn once per budget, at the user's line."""
         if what not in self.warned:
             self.warned.add(what)
-            warnings.warn(message, UserWarning, stacklevel=5)
+            warn_user(message)
 
 
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
