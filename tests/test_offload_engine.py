@@ -307,3 +307,39 @@ def test_a_stand_in_side_stream_runs_nothing_until_waited_on():
     b.synchronize(ev)
     assert dst.tolist() == [0, 1, 2, 3] and b.done(ev)
     assert streams.backend_for(torch.ones(1)) is None  # no stand-in active: CPU stays
+
+
+def test_the_stream_current_at_each_pack_and_unpack_is_the_one_used():
+    """O2, O3: the producer's event is recorded on the stream current when the tensor is
+    packed, and the consumer's wait is issued on the stream current at unpack -- not a
+    stream cached from an earlier call."""
+    from gradient_scope._budget.streams import _FakeStream
+
+    ws = mlp_params("cpu")
+    x = torch.randn(8, 16, requires_grad=True)
+    ref = grads(x, ws)
+    with host_copy_stand_in() as b:
+        engine = Offloader(None)
+        engine.new_step()
+        grads(x, ws, offload_all(engine))  # a first step on the default stream
+        other = _FakeStream(deferred=False)
+        recorded, waited = [], []
+        real_record, real_wait = HostCopyStandIn.record_event, HostCopyStandIn.wait_event
+
+        def record(self, stream):
+            recorded.append(stream)
+            return real_record(self, stream)
+
+        def wait(self, stream, event):
+            waited.append(stream)
+            return real_wait(self, stream, event)
+
+        b.record_event = record.__get__(b)
+        b.wait_event = wait.__get__(b)
+        engine.new_step()
+        with b.use_stream(other):
+            assert same(grads(x, ws, offload_all(engine)), ref)
+        side = {s for s in recorded if s is not other and s.deferred}
+        assert other in recorded and side  # producer events on `other`, copy events on the side streams
+        assert b.compute not in recorded and b.compute not in waited
+        assert other in waited  # the consumer's waits on the stream current at unpack

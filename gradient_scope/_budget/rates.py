@@ -110,7 +110,8 @@ def _measure(device: torch.device) -> Rates:
         if cuda:
             torch.cuda.synchronize(device)
 
-    n, size, reps = (4096, 256 * 2**20, 10) if cuda else (256, 8 * 2**20, 5)
+    # Small enough to fit beside a model that fills the device (it runs at the first plan).
+    n, size, reps = (2048, 64 * 2**20, 10) if cuda else (256, 8 * 2**20, 5)
     dtype = torch.bfloat16 if cuda else torch.float32
     with torch.no_grad(), without_torch_function(), without_python_dispatch(), profiler_range("gradient_scope.rates"):
         a = torch.ones(n, n, dtype=dtype, device=device)
