@@ -63,7 +63,6 @@ __all__ = [
     "Sequencer",
     "sequencing",
     "new_handle",
-    "kept_by_budget",
     "store_as_usual",
     "open_region",
     "close_region",
