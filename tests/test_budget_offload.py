@@ -323,3 +323,41 @@ def test_offload_argument_checks():
     copy = __import__("copy").deepcopy(Budget("1MiB", offload="1GiB"))
     assert copy.offload == 2**30 and copy.bytes == 2**20
     assert gradient_scope.Budget is Budget
+
+
+@pytest.mark.parametrize("offload", [None, True])
+def test_a_budgeted_model_leaves_no_reference_cycle(offload):
+    """None of the budget's objects is in a reference cycle: they die as soon as nothing
+    refers to them, not at the next garbage collection (which would hold what they refer
+    to, and run collections in the middle of a later forward)."""
+    from gradient_scope._budget.block import BlockPlan
+    from gradient_scope._budget.offload import HostCopy, Offloaded, Offloader
+    from gradient_scope._budget.region import Region
+    from gradient_scope._budget.run import Run
+
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    warm = make_model()  # (a process's first scoped step leaves cycles of its own: not ours)
+    apply_recompute(warm, check_fn=Block)
+    quietly(grads, warm, x)
+    del warm
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with host_copy_stand_in():
+            model = make_model()
+            b = Budget(30_000, offload=offload)
+            apply_recompute(model, check_fn=Block, budget=b)
+            for _ in range(3):
+                quietly(grads, model, x)
+            del model, b
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        ours = (BlockPlan, Region, Run, Budget, HostCopy, Offloaded, Offloader)
+        cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, ours)]
+        assert not cyclic, cyclic
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was:
+            gc.enable()

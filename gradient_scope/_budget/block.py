@@ -5,7 +5,7 @@ its close (kept inputs offloaded in place, the record dropped when everything is
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -60,9 +60,9 @@ class BlockPlan:
         "inputs",
         "rng",
         "free",
-        "offload",
         "whole",
         "views",
+        "__weakref__",
     )
 
     def __init__(self, budget: Run, site: Hashable, occurrence: int, position: int, record: BlockRecord,
@@ -82,7 +82,6 @@ class BlockPlan:
         self.keys: tuple[Hashable, ...] | None = None  # set when closed cleanly
         self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
         self.rng: frozenset[int] = frozenset()  # of them, generator states
-        self.offload: Callable[[Any, Tensor], Any] = self._offload
         self.whole = False  # its record was dropped at close (N4 in ``_budget.step``)
         self.views: set[int] = set()  # storages of outside tensors saved as views (kept by autograd too)
 
@@ -124,7 +123,8 @@ class BlockPlan:
             plan = self.plans[0]
             if place in plan.chosen:
                 return True
-            return self.offload if place in plan.offloaded else False
+            # (a bound method made per call: kept on self it would be a reference cycle)
+            return self._offload if place in plan.offloaded else False
         budget = self.budget()
         where = storage_of(t)
         if budget is not None and where is not None:  # measuring: is it kept anyway (K2)?

@@ -15,7 +15,6 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 from .._base.torch_compat import node_sequence_nr, sequence_nr
 from .._record import recorder as _recorder
@@ -25,7 +24,7 @@ from .step import SaveSeen
 if TYPE_CHECKING:
     from .run import Run
 
-__all__ = ["Region", "RegionPlan"]
+__all__ = ["Region", "RegionPlan", "tensors_in"]
 
 Tensor = torch.Tensor
 
@@ -38,13 +37,28 @@ class RegionPlan(NamedTuple):
     offloaded: frozenset[int]
 
 
+def tensors_in(values: Any) -> list[Tensor]:
+    """The tensors in nested tuples, lists and dicts (a ``ModelOutput`` is a dict). Not
+    ``torch.utils._pytree``: its flatten leaves a reference cycle per call."""
+    out: list[Tensor] = []
+    stack = [values]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
+
+
 def _storages(values: Any) -> set[int]:
     out = set()
-    for v in pytree.tree_leaves(values):
-        if isinstance(v, Tensor):
-            where = storage_of(v)
-            if where is not None:
-                out.add(where[0])
+    for v in tensors_in(values):
+        where = storage_of(v)
+        if where is not None:
+            out.add(where[0])
     return out
 
 

@@ -8,7 +8,6 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._base.feedback import warn_user
@@ -21,7 +20,7 @@ from .measure import Measured, costs, measure
 from .offload import Offloader, evict
 from .planner import BlockGraph
 from .rates import rates_for
-from .region import Region, RegionPlan
+from .region import Region, RegionPlan, tensors_in
 from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
 from .streams import offloadable
 
@@ -121,8 +120,8 @@ class Run:
             if e is not None:
                 e.start_backward()
 
-        for t in pytree.tree_leaves(output):
-            if isinstance(t, Tensor) and t.requires_grad:
+        for t in tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(started)
 
     def region_open(self) -> bool:
