@@ -2,7 +2,7 @@
 recomputes, which kept inputs and which saves outside the scopes are offloaded, and the
 predicted figures (for ``_budget.budget``; the choice itself is ``_budget.planner``'s).
 
-RULES N1..N6: what a step's plan covers.
+RULES N1..N5: what a step's plan covers.
 
 N1. The bytes a budget bounds: the block tensors kept, each storage once; the outside
     tensors the blocks keep for replay and the generator states of their random ops
@@ -28,11 +28,6 @@ N5. Predicted step seconds: the blocks' forward and backward (three times their 
     gradients flowing through it (twice its output); the
     largest of these, plus the bytes prefetched ahead (twice the largest offloaded
     storage).
-N6. The chain's prefix may leave room a later, smaller candidate fits in (a prefix
-    stops at the first candidate that does not fit). Without offload a decision also
-    tries the room refilled with the later candidates that fit, in chain order, alone
-    and with one of the prefix's last candidates given back, and keeps the set of least
-    exact recompute; a budget's plan is the best of those made at budgets up to it (K8).
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from .curve import CurvePoint, StoredOp
 from .measure import Measured
-from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide, recompute_cost
+from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide
 from .rates import Rates
 
 __all__ = ["BlockSeen", "SaveSeen", "StepPlan", "BlockChoice", "plan_step"]
@@ -256,72 +251,13 @@ def _stored(blocks: list[BlockSeen], choices: list[BlockChoice], saves: list[Sav
 
 
 _Eval = tuple[Decision, frozenset[int]]  # a decision and the candidates it keeps
-_SWAPS = 8  # N6: how many of the prefix's last candidates a decision tries to give back
 
 
-def _at(blocks: list[BlockSeen], it: _Items, chain: Chain, budget: int,
-        transfer: Transfer | None) -> tuple[Decision, frozenset[int]]:  # fmt: skip
-    """K7's decision, then N6 (without offload): the room the prefix leaves, alone or with
-    one of its last candidates given back, refilled with later candidates that fit --
-    in chain order, or the largest exact gain first -- and the set of least exact
-    recompute. Returns the decision and the candidates it keeps (on the device or
-    offloaded)."""
+def _at(chain: Chain, it: _Items, budget: int, transfer: Transfer | None) -> _Eval:
+    """K7's decision at ``budget``, and the candidates it keeps (on the device or offloaded):
+    a prefix of the chain, so a larger budget keeps a superset."""
     d = decide(chain, it.cand_items, it.floor, budget, transfer)
-    base = list(chain.order[: d.kept])
-    if d.below or d.host:
-        return d, frozenset(base)
-    sets: list[set[int]] = [set() for _ in blocks]
-    for c in base:
-        sets[it.cands[c].block] |= set(it.cands[c].values)
-    best = (d.recompute, d.device, frozenset(base))
-    room = budget - d.device
-    later = [c for c in chain.order[d.kept :] if it.cands[c].nbytes > 0][: 4 * _SWAPS]
-    for r in [None, *[c for c in base[-_SWAPS:] if it.cands[c].nbytes > 0]]:
-        start = [set(x) for x in sets]
-        if r is not None:
-            b = it.cands[r].block
-            start[b] = {v for c in base if c != r and it.cands[c].block == b for v in it.cands[c].values}
-        space = room + (it.cands[r].nbytes if r is not None else 0)
-        for by_gain in (False, True):
-            kept, cost, used = _refill(blocks, it, start, later, space, by_gain)
-            if kept:
-                device = d.device - (it.cands[r].nbytes if r is not None else 0) + used
-                total = frozenset([c for c in base if c != r] + kept)
-                if cost < best[0] * (1 - 1e-9) or (cost <= best[0] and device < best[1]):  # (float sums)
-                    best = (cost, device, total)
-    return replace(d, device=best[1], recompute=best[0]), best[2]
-
-
-def _refill(blocks: list[BlockSeen], it: _Items, sets: list[set[int]], later: list[int], space: int,
-            by_gain: bool) -> tuple[list[int], float, int]:  # fmt: skip
-    """N6: later candidates that fit in ``space`` added to ``sets``: in chain order, or the
-    largest exact gain first. Returns them, the exact recompute and their bytes."""
-    sets = [set(x) for x in sets]
-    costs = [recompute_cost(bs.graph, st) for bs, st in zip(blocks, sets)]
-    kept: list[int] = []
-    used = 0
-    pool = list(later)
-    while pool:
-        fits = [c for c in pool if it.cands[c].nbytes <= space - used]
-        if not fits:
-            break
-        if by_gain:
-            gains = []
-            for c in fits:
-                b = it.cands[c].block
-                gains.append((costs[b] - recompute_cost(blocks[b].graph, sets[b] | set(it.cands[c].values)), c))
-            gain, c = max(gains, key=lambda g: (g[0], -it.cands[g[1]].nbytes))
-            if gain <= 0:
-                break
-        else:
-            c = fits[0]
-        cand = it.cands[c]
-        pool.remove(c)
-        kept.append(c)
-        used += cand.nbytes
-        sets[cand.block] |= set(cand.values)
-        costs[cand.block] = recompute_cost(blocks[cand.block].graph, sets[cand.block])
-    return kept, sum(costs), used
+    return d, frozenset(chain.order[: d.kept])
 
 
 def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], budget: int,
@@ -338,12 +274,8 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         i.nbytes for i, p, (b, _) in zip(it.floor, it.floor_ptrs, it.floor_kind) if b == -1 or p in views
     )
     whole = model_level and budget >= plain
-    points, evals = _curve(blocks, chain, it, budget, transfer, forward, plain if model_level else None)
-    d, extra = min(
-        (e for b, e in evals.items() if b <= budget and not e[0].below),
-        key=lambda e: (e[0].recompute + e[0].transfer, e[0].device),
-        default=_at(blocks, it, chain, budget, transfer),
-    )  # K8: never worse than at a smaller budget
+    points = _curve(chain, it, budget, transfer, forward, plain if model_level else None)
+    d, extra = _at(chain, it, budget, transfer)
     if whole:
         d, extra = Decision(len(chain.order), frozenset(), frozenset(), plain, 0, 0.0, 0.0, False), frozenset()
     choices = _choices(blocks, it, d, extra, whole)
@@ -374,10 +306,9 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
     return plan
 
 
-def _curve(blocks: list[BlockSeen], chain: Chain, it: _Items, budget: int, transfer: Transfer | None,
-           forward: float, plain: int | None) -> tuple[list[CurvePoint], dict[int, _Eval]]:  # fmt: skip
-    """The plan at the budgets where it changes (at most about 64 of them), and every
-    decision it evaluated (by budget)."""
+def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, forward: float,
+           plain: int | None) -> list[CurvePoint]:  # fmt: skip
+    """The plan at the budgets where it changes (at most about 64 of them)."""
     total = sum(i.nbytes for i in it.floor)
     low = sum(i.nbytes for i in it.floor if not i.offloadable) if transfer is not None else total
     marks = {total + n for n in chain.nbytes}
@@ -388,21 +319,14 @@ def _curve(blocks: list[BlockSeen], chain: Chain, it: _Items, budget: int, trans
     if plain is not None:
         budgets.append(plain)
     points: list[CurvePoint] = []
-    evals: dict[int, _Eval] = {}
     for b in sorted(set(budgets)):
         if plain is not None and b >= plain:
             p = CurvePoint(b, plain, 0, 0.0, 0.0, 3 * forward)
         else:
-            if b == budget:
-                evals[b] = _at(blocks, it, chain, b, transfer)
-            else:  # (the prefix alone elsewhere: N6's search for the budget asked for only)
-                prefix = decide(chain, it.cand_items, it.floor, b, transfer)
-                evals[b] = (prefix, frozenset(chain.order[: prefix.kept]))
-            d = evals[b][0]
+            d = _at(chain, it, b, transfer)[0]
             if d.below:
                 continue
             p = CurvePoint(b, d.device, d.host, d.recompute, d.transfer, 3 * forward + d.recompute + d.transfer)
         if not points or p.step < points[-1].step:
             points.append(p)
-    return points, evals
-
+    return points
