@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import gradient_scope
 from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute, recompute_scope
+from gradient_scope._budget.rates import Rates, pinned_rates
 
 
 class Block(nn.Module):
@@ -35,6 +36,14 @@ class Block(nn.Module):
     def forward(self, x):
         h = F.gelu(self.fc1(self.ln(x)))
         return x + self.fc2(F.dropout(h, 0.1, self.training))
+
+
+@pytest.fixture(autouse=True)
+def _fixed_rates():
+    """The device's rates pinned (a plan depends on them; measured, they vary from run to
+    run on a shared machine): CPU-like figures, FLOPs and bytes both counting."""
+    with pinned_rates("cpu", Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)):
+        yield
 
 
 def make_model(layers=3, d=32):

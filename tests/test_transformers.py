@@ -12,8 +12,8 @@ Each gives gradients bitwise equal to the plain model (same seeds) and holds les
 memory after forward (the validated CPU probe of ``benchmarks/_harness/memory.py``).
 """
 
-import os
 import gc
+import os
 import re
 import sys
 
