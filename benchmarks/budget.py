@@ -1,6 +1,7 @@
 """Memory budgets (``gradient_scope.Budget``) against hand policies: bytes vs recompute.
 
     python -m benchmarks.budget --quick        # small sizes, CPU, a few minutes
+    python -m benchmarks.budget --device cuda --offload   # on a GPU, with the offload strategies
 
 For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face models of
 ``benchmarks.hf_zoo``), every strategy runs on its own copy from the same weights
@@ -18,6 +19,12 @@ For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face mod
   plain's), gradients vs plain (bitwise), step time as medians of per-round ratios to
   plain (interleaved rounds), and for budgets the CPU time spent in the budget's own code
   per step (the calls scopes make to it: decisions, structure checks, planning).
+
+With ``--offload``: ``save_on_cpu`` (torch's offloader), ``offload_all`` (every saved
+tensor through the library's offload engine, nothing recomputed), and ``budget@N+offload``
+(``Budget(N, offload=True)``) at the bytes the checkpoint strategy holds and at budgets
+below the floor of recompute alone. Offload moves tensors only from a GPU: on a CPU these
+strategies keep what they would offload.
 
 Budgets are measured from their third step (step 1 is unplanned, step 2 planned).
 """
@@ -49,15 +56,15 @@ HAND = ["scope_layer", "scope_layer_savemm", "scope_attn_mlp", "checkpoint", "sa
 SEED = 1
 
 
-def make_case(name: str, quick: bool) -> Case:
+def make_case(name: str, quick: bool, device: str = "cpu") -> Case:
     """``gpt`` (the benchmark GPT) or a model of ``benchmarks.hf_zoo``, at the quick or full size."""
     if name == "gpt":
         cfg = (GPTConfig(vocab=512, seq=64, d_model=128, n_head=4, n_layer=4, batch=2) if quick
                else GPTConfig(vocab=2048, seq=128, d_model=256, n_head=4, n_layer=6, batch=4))
-        c = gpt_case(cfg)
+        c = gpt_case(cfg, device)
         c.config["describe"] = cfg.describe()
         return c
-    return build(name, "quick" if quick else "full", 0).case(name)
+    return build(name, "quick" if quick else "full", 0, device=device).case(name, device)
 
 
 class _TimedPlan:
@@ -132,7 +139,8 @@ def bwd_flops(runner: Runner) -> int:
     runner.model.zero_grad(set_to_none=True)
     torch.manual_seed(SEED)
     loss = runner.forward()
-    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.startswith("cuda") else [])
+    with quiet_stderr(), profile(activities=activities, with_flops=True) as prof:
         loss.backward()
     return int(sum(e.flops or 0 for e in prof.events()))
 
@@ -148,7 +156,7 @@ def _measured(runner: Runner, ref: dict[str, torch.Tensor], base_flops: int) -> 
 
 @frozen_gc()  # the gc.collect() before each step then only sees this case's objects
 def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
-             inductor: list[float] | None = None, hand: list[str] = HAND) -> dict[str, Any]:
+             inductor: list[float] | None = None, hand: list[str] = HAND, offload: bool = False) -> dict[str, Any]:
     res: dict[str, Any] = {"describe": c.config.get("describe", str(c.config)), "strategies": {}}
     plain = Runner(c, "plain", share_params=True)
     plain.step(SEED)
@@ -170,7 +178,8 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
         r = runners[name] = Runner(c, name, share_params=True)
         m = res["strategies"][name] = _measured(r, ref, base_flops)
         if r.budget is not None:
-            m.update(budget=r.budget.bytes, planned=r.budget.planned_bytes, predicted=r.budget.predicted_recompute)
+            m.update(budget=r.budget.bytes, planned=r.budget.planned_bytes, predicted=r.budget.predicted_recompute,
+                     offloaded=r.budget.offloaded_bytes, predicted_step_s=r.budget.predicted_step_time)
             m.update(own_time(c, r.budget.bytes) or {})
         log(f"  {name:20s} held {fmt_mib(m['held']):>8} peak {fmt_mib(m['peak']):>8} recompute "
             f"{m['recompute_flops'] / 1e9:.3f} GFLOP bitwise {m['bitwise']}"
@@ -185,6 +194,12 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
     sweep |= {max(res["strategies"][h]["held"] - unscoped, 0) for h in hand}
     for b in sorted(sweep):
         run(f"budget@{b}")
+    if offload:  # torch's and our offloaders, and the budget with offload (--offload)
+        for name in ("save_on_cpu", "offload_all"):
+            run(name)
+        at = {res["strategies"]["checkpoint"]["held"]} if "checkpoint" in res["strategies"] else set()
+        for b in sorted(at | {floor // 2, floor // 4}):
+            run(f"budget@{b}+offload")
     fresh = Runner(c, f"budget@{top}", share_params=True)  # a fresh budget's first planning, timed
     fresh.step(SEED)
     t0 = time.perf_counter()
@@ -232,7 +247,8 @@ def inductor_points(c: Case, ratios: list[float], ref: dict[str, torch.Tensor], 
 
 def targets(res: dict[str, Any], hand: list[str] = HAND) -> list[dict[str, Any]]:
     S, floor, unscoped = res["strategies"], res["floor"], res["unscoped"]
-    budgets = sorted((v for v in S.values() if "budget" in v), key=lambda v: v["budget"])
+    budgets = sorted((v for n, v in S.items() if "budget" in v and not n.endswith("+offload")),
+                     key=lambda v: v["budget"])
     out: list[dict[str, Any]] = []
 
     def add(target: str, met: bool, detail: str) -> None:
@@ -331,22 +347,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--inductor", type=float, nargs="*",
                    help="also compile the GPT with inductor at these activation_memory_budget ratios "
                    "(e.g. 1.0 0.5 0.1)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--offload", action="store_true",
+                   help="also run save_on_cpu, offload_all and budgets with offload=True")
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--out", help="output directory (default benchmarks/results/cpu-budget/)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     models = a.models or (["gpt", "gpt2", "llama"] if a.quick else ["gpt", "gpt2", "llama", "bert", "t5"])
     rounds, points = a.rounds or (3 if a.quick else 7), a.points or (5 if a.quick else 8)
-    out = results_dir(a.out, "cpu-budget")
+    out = results_dir(a.out, "cpu-budget" if a.device == "cpu" else "gpu-budget")
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
-    results: dict[str, Any] = {"argv": argv, "machine": machine_info("cpu", ["transformers"]), "cases": {}}
+    results: dict[str, Any] = {"argv": argv, "machine": machine_info(a.device, ["transformers"]), "cases": {}}
     for name in models:
-        results["cases"][name] = run_case(make_case(name, a.quick), rounds, points, log,
-                                          a.inductor if name == "gpt" else None)
+        results["cases"][name] = run_case(make_case(name, a.quick, a.device), rounds, points, log,
+                                          a.inductor if name == "gpt" else None, offload=a.offload)
     mark_end(results["machine"])
     results["charts"] = [] if a.no_charts else chart(results, out)
     write_results(out, results, markdown(results))

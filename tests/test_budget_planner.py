@@ -1,4 +1,4 @@
-"""The memory-budget planner on hand-made blocks (``gradient_scope._budget.planner``, rules K1..B5).
+"""The memory-budget planner on hand-made blocks (``gradient_scope._budget.planner``, rules K1..K8).
 
 No tensors here: each block is a small op graph written out by hand, so every expected
 choice can be checked on paper.
@@ -8,7 +8,17 @@ import random
 
 import pytest
 
-from gradient_scope._budget.planner import BlockGraph, Candidate, Chain, build_chain, choose, recompute_cost
+from gradient_scope._budget.planner import (
+    BlockGraph,
+    Candidate,
+    Chain,
+    Item,
+    Transfer,
+    build_chain,
+    choose,
+    decide,
+    recompute_cost,
+)
 
 
 def graph(costs, reads, saved, cuttable=None, needs=None, label="b"):
@@ -145,3 +155,77 @@ def test_prefix_takes_the_longest_fitting_prefix():
     assert chain.prefix(10) == 2
     assert chain.prefix(39) == 2
     assert chain.prefix(40) == 3
+
+
+# ---------------------------------------------------------------- offload (K6..K8)
+
+FAST = Transfer(to_host=1e9, to_device=1e9, forward=1.0, backward=2.0, host=float("inf"))
+
+
+def _random_plan(rng):
+    blocks = [_random_block(rng, f"b{i}") for i in range(rng.randint(1, 4))]
+    cands = [Candidate(b, (v,), rng.choice([0, 8, 64, 512])) for b, g in enumerate(blocks) for v in g.saved]
+    chain = build_chain(blocks, cands)
+    items = [Item(c.nbytes, 10 * c.block + i, rng.random() > 0.2) for i, c in enumerate(cands)]
+    floor = [Item(rng.choice([8, 64, 256]), 10 * i, rng.random() > 0.2) for i in range(rng.randint(0, 4))]
+    return chain, items, floor
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_without_a_host_budget_decide_is_the_prefix_choice(seed):
+    chain, items, floor = _random_plan(random.Random(seed))
+    total_floor = sum(i.nbytes for i in floor)
+    for budget in range(0, total_floor + chain.nbytes[-1] + 32, 8):
+        d = decide(chain, items, floor, budget, None)
+        k, below = choose(chain, total_floor, budget)
+        assert (d.kept, d.below) == (k, below)
+        assert not d.offloaded_floor and not d.offloaded_candidates and d.host == 0 and d.transfer == 0.0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_with_offload_time_never_grows_with_the_budget_and_device_bytes_fit(seed):
+    rng = random.Random(seed)
+    chain, items, floor = _random_plan(rng)
+    slow = Transfer(to_host=100.0, to_device=100.0, forward=0.5, backward=1.0, host=float(rng.choice([64, 512, 1e9])))
+    total = sum(i.nbytes for i in floor) + chain.nbytes[-1]
+    for transfer in (FAST, slow):
+        prev = float("inf")
+        for budget in range(0, total + 32, 8):
+            d = decide(chain, items, floor, budget, transfer)
+            time = d.recompute + d.transfer
+            assert time <= prev + 1e-12  # K8
+            prev = time
+            if not d.below:
+                assert d.device <= budget
+            assert d.host <= transfer.host
+            off = sum(floor[i].nbytes for i in d.offloaded_floor) + sum(items[c].nbytes for c in d.offloaded_candidates)
+            assert off == d.host
+            assert all(floor[i].offloadable for i in d.offloaded_floor)
+            assert all(items[c].offloadable and c in chain.order[: d.kept] for c in d.offloaded_candidates)
+            assert d.device == sum(i.nbytes for i in floor) + chain.nbytes[d.kept] - d.host
+
+
+def test_offload_beats_recompute_when_copies_hide_behind_compute_and_not_when_they_cannot():
+    # one block: a matmul output (100 bytes) that spares 1 s of recompute
+    g = graph(costs=[1.0], reads=[()], saved=[0])
+    chain = build_chain([g], [Candidate(0, (0,), 100)])
+    items = [Item(100, 0)]
+    hidden = Transfer(to_host=1e4, to_device=1e4, forward=0.5, backward=1.0, host=1e9)
+    d = decide(chain, items, [], 0, hidden)
+    assert (d.kept, d.offloaded_candidates, d.device, d.recompute, d.transfer) == (1, frozenset({0}), 0, 0.0, 0.0)
+    # copies that take 10 s each way: recomputing (1 s) is cheaper
+    exposed = Transfer(to_host=10.0, to_device=10.0, forward=0.5, backward=1.0, host=1e9)
+    d = decide(chain, items, [], 0, exposed)
+    assert (d.kept, d.host, d.recompute) == (0, 0, 1.0)
+    # no host room: recompute
+    d = decide(chain, items, [], 0, Transfer(1e4, 1e4, 0.5, 1.0, host=50))
+    assert (d.kept, d.host) == (0, 0)
+
+
+def test_the_floor_is_offloaded_earliest_first_and_only_as_much_as_needed():
+    chain = Chain(order=(), nbytes=(0,), cost=(0.0,))
+    floor = [Item(100, 2), Item(100, 0), Item(100, 1), Item(100, 3, offloadable=False)]
+    d = decide(chain, [], floor, 250, FAST)
+    assert d.offloaded_floor == frozenset({1, 2}) and d.device == 200 and d.host == 200
+    d = decide(chain, [], floor, 50, FAST)  # below what offloading can reach: all it can
+    assert d.below and d.offloaded_floor == frozenset({0, 1, 2}) and d.device == 100

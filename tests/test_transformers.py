@@ -12,6 +12,7 @@ Each gives gradients bitwise equal to the plain model (same seeds) and holds les
 memory after forward (the validated CPU probe of ``benchmarks/_harness/memory.py``).
 """
 
+import gc
 import os
 import re
 import sys
@@ -56,6 +57,7 @@ def step(kind, setup=None, report=False):
                 return model(input_ids=ids, labels=ids).loss
         return model(input_ids=ids, labels=ids).loss
 
+    gc.collect()  # (earlier tests' garbage, collected during the forward, would count as freed)
     loss, held, _ = profile_cpu_memory(forward, lambda loss: loss.backward())
     grads = {name: p.grad for name, p in model.named_parameters()}
     return dict(loss=loss.detach(), grads=grads, held=held, report=box.get("report"), model=model)

@@ -62,6 +62,10 @@ DESCRIPTIONS = {
     "scope_layer+recorded": "scope_layer with GRADIENT_SCOPE_FAST=0 during the model's forward: every "
     "block recorded (the default on CPU)",
     "budget50+fast": "budget50 in the steady state (GRADIENT_SCOPE_FAST=1)",
+    "budget50+offload": "budget50 with Budget(..., offload=True): keep, offload to pinned host memory, or recompute",
+    "offload_all": "every tensor the model's forward saves offloaded to pinned host memory and prefetched back "
+    "(the library's offload engine under a plain saved-tensor hook pair; no scope, nothing recomputed)",
+    "save_on_cpu": "torch.autograd.graph.save_on_cpu(pin_memory=True) around the model's forward",
     "scope_layer_savemm+fast": "scope_layer_savemm in the steady state (GRADIENT_SCOPE_FAST=1)",
     AA: "plain on a second copy (A/A control: the noise floor of the time ratios)",
 }
@@ -184,6 +188,19 @@ def apply_strategy(
     ``budget@N`` (N bytes) or ``budgetNN`` strategy (NN% of ``plain_held``, plain's bytes
     held after forward), else None."""
     parts = parts or {}
+    if name.endswith("+offload") and _is_budget(name[: -len("+offload")]):
+        base = name[: -len("+offload")]
+        frac = budget_fraction(base)
+        nbytes = int(base[7:]) if frac is None else max(1, int(frac * (plain_held or 0)))
+        budget = Budget(nbytes, offload=True)
+        gradient_scope.apply_recompute(model, check_fn=layers, budget=budget)
+        return budget
+    if name == "save_on_cpu":
+        wrap_forward(model, lambda m: m is model, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
+        return None
+    if name == "offload_all":
+        wrap_forward(model, lambda m: m is model, _offload_all_context())
+        return None
     for suffix, value in PATHS.items():
         if name.endswith(suffix):
             budget = apply_strategy(model, name[: -len(suffix)], layers, parts, plain_held)
@@ -220,6 +237,27 @@ def apply_strategy(
     select, save = chosen
     gradient_scope.apply_recompute(model, check_fn=select, **({} if save is None else {"save": save}))
     return None
+
+
+def _offload_all_context() -> Callable[[], Any]:
+    """A context for each forward: every saved tensor offloaded by one engine (its prefetch
+    order learnt from the previous step), or kept where it has nowhere to go (CPU)."""
+    from gradient_scope._budget.offload import Offloaded, Offloader
+
+    engine = Offloader(host_limit=None)
+
+    def pack(t: torch.Tensor) -> Any:
+        packed = engine.pack(t, len(engine.step))
+        return packed if packed is not None else t
+
+    def unpack(p: Any) -> torch.Tensor:
+        return p.unpack() if isinstance(p, Offloaded) else p
+
+    def make() -> Any:
+        engine.new_step()
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    return make
 
 
 def plain_name(name: str) -> str:

@@ -7,6 +7,11 @@ reference (no reference cycle: a model still dies as soon as it is dropped) and
 pickles and deep-copies along with the module. :func:`remove_recompute` puts back
 exactly what was there before: no instance attribute (the class's ``forward``
 applies again) or the instance attribute the module had.
+
+With ``budget=``, the module given (the model) also gets a forward pre-hook and a
+forward hook (run also when the forward raises) that open and close the budget's model
+region around each of its forwards (M6 in ``_budget.budget``): the budget then bounds
+the model's whole activation memory, the code outside the scopes included.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.nn as nn
 
 from .._base.errors import Site
@@ -28,7 +34,7 @@ from ..policies import as_save_policy
 from .scope import counting_into, recompute_scope, run_in_scope
 from .selection import ModuleSelector, check_every_n, choose, every_module
 
-__all__ = ["apply_recompute", "remove_recompute", "recompute_sequential"]
+__all__ = ["apply_recompute", "remove_recompute", "recompute_sequential", "detach_budget"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -126,6 +132,53 @@ class _ScopedForward:
         return (_rebuild_scoped_forward, (self.module, self.original, self.options, self.site))
 
 
+class _ModelBudget:
+    """The hooks of a model-level budget on the model (M6): each forward of the model is a
+    region of the budget. Inert while dynamo traces (a compiled model's budget applies in
+    its graph)."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.open: list[Any] = []
+        self.handles: list[Any] = []
+
+    def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+            self.open.append(self.budget._open_region(module, (args, kwargs)))
+        else:
+            self.open.append(None)
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        region = self.open.pop() if self.open else None
+        if region is not None:
+            self.budget._close_region(region, output)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+_MODEL_BUDGETS: weakref.WeakKeyDictionary[nn.Module, _ModelBudget] = weakref.WeakKeyDictionary()
+
+
+def _attach_budget(model: nn.Module, budget: Budget) -> None:
+    detach_budget(model)
+    hooks = _ModelBudget(budget)
+    hooks.handles = [
+        model.register_forward_pre_hook(hooks.pre, with_kwargs=True),
+        model.register_forward_hook(hooks.post, with_kwargs=True, always_call=True),
+    ]
+    _MODEL_BUDGETS[model] = hooks
+
+
+def detach_budget(model: nn.Module) -> None:
+    """Remove the model-level budget hooks :func:`apply_recompute` put on ``model``."""
+    hooks = _MODEL_BUDGETS.pop(model, None)
+    if hooks is not None:
+        hooks.remove()
+
+
 def scoped_forward_stats(module: nn.Module) -> ScopeStats | None:
     """The counters of the scopes ``apply_recompute`` runs for ``module``, or None."""
     current = module.__dict__.get("forward")
@@ -218,6 +271,8 @@ def apply_recompute(
             :class:`recompute_scope`. ``budget`` may be an int number of bytes
             or a string such as ``"2GiB"`` (one :class:`Budget` for all the
             chosen modules) or a :class:`Budget`, which then shows its plan.
+            It bounds ``model``'s activation memory after each of its
+            forwards, the code outside the chosen modules included.
 
     Returns:
         ``model``.
@@ -278,6 +333,10 @@ def scope_modules(
     for path, module in chosen:
         _install(path, module, options)
     if chosen:
+        if options.get("budget") is not None:  # M6: the budget bounds the whole model
+            _attach_budget(model, options["budget"])
+        else:
+            detach_budget(model)
         paths = [p for p, _ in chosen]
         logger.info(
             "%s: scoped %d %s (%s) of %s with %s",
@@ -332,6 +391,7 @@ def remove_recompute(model: M) -> M:
     if not isinstance(model, nn.Module):
         raise TypeError(f"remove_recompute: model must be a torch.nn.Module, got {type(model).__name__}")
     for module in model.modules():
+        detach_budget(module)
         current = module.__dict__.get("forward")
         if isinstance(current, _ScopedForward):
             if current.original is None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import os
 import sys
 import threading
@@ -32,7 +31,6 @@ __all__ = ["recompute_scope", "recompute", "set_traced_block", "set_steady_runne
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_serials = itertools.count(1)  # one per block entered, in entry order (I2)
 # True only while dynamo traces (a torch without it: never).
 _dynamo_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 
@@ -161,8 +159,9 @@ class recompute_scope:
         # While dynamo traces, a scope is an annotation of the compiled graph
         # (gradient_scope._compile); None there means "run it eagerly".
         if _dynamo_compiling() and _traced_block:
-            if options.pop("budget", None) is not None:
-                options["budget_given"] = True  # _compile warns: not applied there
+            budget = options.pop("budget", None)
+            if budget is not None:
+                options["budget_given"] = getattr(budget, "key", True)  # the graph applies its plan
             block = _traced_block[0](*args, **options)
             if block is not None:
                 return block
@@ -232,7 +231,7 @@ class recompute_scope:
         # torch.compile still compile, R7); so does the library's own code here.
         self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         site = self._site if self._site is not None else _caller_site()
-        serial = next(_serials)
+        serial = _interception.next_serial()
         try:
             _interception.ensure_on_top(serial)
         except BaseException:

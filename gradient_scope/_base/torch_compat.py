@@ -34,6 +34,7 @@ __all__ = [
     "neg_view",
     "node_sequence_nr",
     "storage_id",
+    "storage_use_count",
     "overload_kernel",
     "op_schema",
     "op_overload_name",
@@ -379,6 +380,18 @@ def storage_id(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage: the address of its StorageImpl, the same
     for every Python object of it (``torch/storage.py``: ``_cdata``)."""
     return t.untyped_storage()._cdata  # type: ignore[no-any-return]
+
+
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int | None:
+    """How many references ``storage``'s StorageImpl has (each tensor over it holds one,
+    each Python storage object one): ``torch/csrc/Module.cpp``, ``_storage_Use_Count``.
+    None where this torch lacks it."""
+    if _use_count is None:
+        return None
+    return _use_count(storage._cdata)
 
 
 def overload_kernel(func: Any) -> Any:

@@ -1,12 +1,21 @@
-"""The budget: measure what blocks save, plan what to store, apply the plan.
+"""The budget: measure what blocks save, plan what to keep, offload or recompute, apply it.
 
-- ``measure`` -- what a budget reads from a closed record: each op's replay cost, the
-  values it reads, the outside tensors kept for replay.
-- ``planner`` -- the store-or-recompute choice, a pure greedy, closure-aware planner on
-  plain data (RULES K1..K5: what a budget's plan stores).
-- ``budget`` -- ``Budget``: per block the store decision the frame carries, steps, plans
-  cached by structure, the curve (RULES M1..M5: how a budget runs).
+- ``budget`` -- ``Budget``, the public face (RULES M1..M7: how a budget runs).
+- ``run`` -- a budget at run time: steps, blocks, model regions, cached plans.
+- ``block`` -- one scoped block under a budget: its per-tensor decision, what it saw.
+- ``region`` -- one forward of a model under a model-level budget: what the code
+  outside the scopes saves.
+- ``measure`` -- what a budget reads from a closed record: each op's FLOPs and bytes,
+  the values it reads, the outside tensors kept for replay.
+- ``rates`` -- the device's measured FLOP/s, bytes/s, per-op overhead and copy rates.
+- ``step`` -- one step's plan on plain data (RULES N1..N5: what a step's plan covers).
+- ``planner`` -- keep, offload or recompute: a pure, closure-aware planner on plain data
+  (RULES K1..K8: what a budget's plan keeps, offloads and recomputes).
+- ``curve`` -- the plan for people: stored ops, the curve, units.
+- ``offload`` -- the offload engine (RULES O1..O7: how offloaded bytes travel);
+  ``hostpool`` its pinned memory, ``streams`` its device backends (CUDA, and the
+  host-copy stand-in that tests the engine on CPU).
 
-Above the core: it reads records and hands the pack hook a callback (``Frame.store``);
-the core never imports it.
+Above the core: it reads records and hands the pack hook callbacks (``Frame.store``, a
+model region's observer); the core never imports it.
 """

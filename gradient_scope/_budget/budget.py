@@ -1,53 +1,66 @@
-"""``Budget``: say how much memory the scoped blocks may hold; the library picks what to store.
+"""``Budget``: say how much activation memory a model may keep after forward; the library
+picks, per saved tensor, what to keep, offload or recompute.
 
-RULES M1..M5: how a budget runs.
+RULES M1..M7: how a budget runs.
 
-M1. A scope with a budget gives its block a :class:`_BlockPlan`, the frame's
-    ``store`` decision: the pack hook asks it, for each saved block tensor, whether
-    to store the tensor (True) or make a recompute handle. It never changes what is
-    computed, only what is kept: gradients are those of the plain program.
-M2. Steps: blocks entered while an earlier block of the budget may still be needed
-    by backward (it has pending handles or stored tensors) belong to the same step; a
-    block entered when none is needed starts a new step. Within a step, a block is
-    named by its site (where its scope was entered) and occurrence (how many blocks
-    of that site came before it in the step).
+M1. A scope with a budget gives its block a :class:`~gradient_scope._budget.block.BlockPlan`,
+    the frame's ``store`` decision: the pack hook asks it, for each saved block tensor,
+    whether to keep the tensor (True), offload it (the offload callable) or make a
+    recompute handle. It never changes what is computed, only what is kept and where:
+    gradients are those of the plain program.
+M2. Steps: blocks and model regions entered while an earlier block of the budget may
+    still be needed by backward (it has pending handles or stored tensors), or while
+    a region is open, belong to the same step; one entered when none is needed starts
+    a new step. Within a step, a block is named by its site (where its scope was
+    entered) and occurrence (how many blocks of that site came before it in the step),
+    a region by its occurrence.
 M3. A block whose structure (its signature, ``_record.signature``: the key replay
     shares its plans by) has a plan for its site and occurrence follows it. Each
     decision checks the op whose output it decides against the plan signature's entry
     for that op (the op, the output's shape and dtype: all that is known while the
     block is recorded), and the block's close compares the whole signature; on a
-    mismatch it stores nothing more and is measured. A block without a plan stores
-    nothing (the least memory) and is measured.
-M4. When a step ends (M2) that had a measured block, the planner
-    (``_budget.planner``) plans the whole step: the bytes left by the floor (the outside
-    tensors the step's blocks keep for replay, each storage once) go to the stored
-    tensors that spare the most recompute per byte. Plans are cached per site,
-    occurrence and structure, so a new structure (another sequence length) runs
-    unplanned once and its plan is kept next to the others.
-M5. A budget below the floor warns once, naming the floor, and stores only what
-    costs no bytes (``_budget.planner`` K5).
+    mismatch it keeps nothing more and is measured. A block without a plan keeps
+    nothing (the least memory) and is measured. A region offloads only saves whose
+    shape and dtype are the plan's.
+M4. When a step ends (M2) that had a measured block, or a region whose saves differ
+    from its plan's, the step is planned (``_budget.step``, ``_budget.planner``) at the
+    device's measured rates (``_budget.rates``). Plans are cached per site, occurrence
+    and structure, so a new structure (another sequence length) runs unplanned once
+    and its plan is kept next to the others.
+M5. A budget below the floor warns once, naming the floor, and keeps only what costs
+    no bytes (``_budget.planner`` K5).
+M6. A budget given to a model-level helper bounds the model's activation memory after
+    forward: a region (``_budget.region``) is open during each forward of the model,
+    and what the code outside the scopes saves there counts (N1 in ``_budget.step``).
+M7. With ``offload=``, the budget's engine (``_budget.offload``) moves what the plan
+    offloads. On a device it cannot move (the CPU), offload changes nothing and one
+    warning says so.
 """
 
 from __future__ import annotations
 
-import os
+import itertools
+import math
 import re
-import warnings
 import weakref
-from collections.abc import Hashable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._record.signature import output_matches, signature
-from .._record.types import BlockRecord, Input, Var
-from .measure import Measured, input_storages, measure, storage_of
-from .planner import BlockGraph, Candidate, build_chain, choose
+from .._record.types import BlockRecord
+from .._restore.replay import add_freed_storage_handler
+from .block import BlockPlan
+from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds
+from .offload import engines, restore
+from .region import Region
+from .run import Run
+from .step import StepPlan
 
-__all__ = ["Budget", "BudgetCurve", "StoredOp", "parse_bytes"]
+__all__ = ["Budget", "BudgetCurve", "StoredOp", "parse_bytes", "budget_by_key"]
 
 Tensor = torch.Tensor
+_BlockPlan = BlockPlan  # (the benchmarks time it by this name)
 
 _UNITS = {
     "": 1,
@@ -93,212 +106,51 @@ def parse_bytes(value: Any) -> int:
     return round(float(m.group(1)) * _UNITS[unit])
 
 
-class StoredOp(NamedTuple):
-    """One stored output in a budget's plan: the block (``file.py:line#occurrence``),
-    the op, which of its outputs, and the bytes of its storage (0: in memory anyway)."""
-
-    block: str
-    op: str
-    output: int
-    nbytes: int
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+def _offload_limit(value: Any) -> float | None:
+    """``offload=``: None or False (off), True (as much host memory as needed), or a
+    number of host bytes (an int or a string, as the budget)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return math.inf
+    try:
+        return float(parse_bytes(value))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"offload: {e}; or True (as much host memory as needed), or None/False (off)") from None
 
 
-class BudgetCurve:
-    """Predicted recompute for every budget, from what the first step measured.
-
-    ``rows``: ``(budget bytes, predicted recompute)`` pairs, budgets ascending; any
-    budget between two rows gets the recompute of the lower one. ``budget``: the
-    bytes of the Budget it came from. ``str(curve)`` is a table; :meth:`plot` writes
-    a PNG (needs matplotlib).
-    """
-
-    def __init__(self, rows: list[tuple[int, float]], budget: int, floor: int) -> None:
-        self.rows = rows
-        self.budget = budget
-        self.floor = floor
-
-    def recompute_at(self, nbytes: int) -> float | None:
-        """The predicted recompute at a budget of ``nbytes`` (None below the floor)."""
-        best = None
-        for b, c in self.rows:
-            if b <= nbytes:
-                best = c
-        return best
-
-    def __str__(self) -> str:
-        top = self.rows[0][1] if self.rows and self.rows[0][1] else 1.0
-        lines = [f"{'budget':>12}  {'recompute':>14}  {'of all':>7}", "-" * 37]
-        for b, c in self.rows:
-            mark = "  <- this budget" if b <= self.budget and self.recompute_at(self.budget) == c else ""
-            lines.append(f"{_fmt(b):>12}  {c:14.4g}  {100 * c / top:6.1f}%{mark}")
-        return "\n".join(lines)
-
-    def plot(self, path: str | os.PathLike[str]) -> None:
-        """Write the curve as a PNG to ``path`` (requires matplotlib)."""
-        try:
-            import matplotlib
-        except ImportError as e:
-            raise ImportError("Budget.curve().plot() needs matplotlib: pip install matplotlib") from e
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [b / 2**20 for b, _ in self.rows]
-        ax.step(xs, [c for _, c in self.rows], where="post", label="predicted recompute")
-        ax.axvline(self.budget / 2**20, color="gray", linestyle="--", label="this budget")
-        ax.set_xlabel("budget (MiB held after forward)")
-        ax.set_ylabel("recompute (cost units)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+def _restore_offloaded(t: Tensor) -> bool:
+    """The freed-storage handler of every budget's engine (O5 in ``_budget.offload``)."""
+    return any(restore(e, t) for e in list(engines))
 
 
-def _where(site: Hashable) -> str:
-    """A site (``_base.errors.Site``: file, line, what) in a few words: what the helper
-    named (a module path), else ``file.py:line``."""
-    if isinstance(site, tuple) and len(site) == 3:
-        file, line, what = site
-        return str(what) if what is not None else f"{os.path.basename(str(file))}:{line}"
-    return str(site)
+add_freed_storage_handler(_restore_offloaded)
+
+_keys = itertools.count(1)
+_BY_KEY: weakref.WeakValueDictionary[int, Budget] = weakref.WeakValueDictionary()
 
 
-def _candidates(bp: _BlockPlan, b: int, index: dict[tuple[int, int], int]) -> list[Candidate]:
-    """K2: block ``b``'s saved values, grouped by storage, with the storage's bytes."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    sizes: dict[tuple[int, int], int] = {}
-    for place, seen in bp.saved.items():
-        if place in index and seen is not None:
-            group, nbytes = seen
-            groups.setdefault(group, []).append(index[place])
-            sizes[group] = max(nbytes, sizes.get(group, 0))
-    return [Candidate(b, tuple(vals), 0 if group in bp.free else sizes[group]) for group, vals in groups.items()]
-
-
-class _Plan(NamedTuple):
-    keys: tuple[Hashable, ...]  # the signature of the structure it was made for (an entry per op first)
-    chosen: frozenset[tuple[int, int]]  # (op, output) of the values to store
-
-
-def _agrees(plan: _Plan, rec: Any, place: tuple[int, int], var: Var) -> bool:
-    """M3 for one decision: ``plan``'s signature has the decided op and output as
-    recorded."""
-    j, k = place
-    return j < len(plan.keys) and output_matches(plan.keys[j], rec.func, len(rec.outs), k, var.size, var.dtype)
-
-
-class _BlockPlan:
-    """One block's decision (M1, M3) and what it saw (for M4). Refers to its budget
-    and record weakly: the budget holds it until its step is planned, and a record
-    must die with its last handle (``_restore.handles`` P7)."""
-
-    __slots__ = (
-        "budget",
-        "site",
-        "occurrence",
-        "record",
-        "state",
-        "plans",
-        "saved",
-        "known",
-        "keys",
-        "inputs",
-        "free",
-    )
-
-    def __init__(
-        self, budget: Budget, site: Hashable, occurrence: int, record: BlockRecord, state: Any, plans: list[_Plan]
-    ) -> None:
-        self.budget = weakref.ref(budget)
-        self.site = site
-        self.occurrence = occurrence
-        self.record = weakref.ref(record)
-        self.state = weakref.ref(state)  # the block's ReplayState: is it needed still (M2)?
-        self.plans = plans  # those still consistent with what was recorded (M3)
-        # (op, output) of each saved block tensor -> (its storage group's root (op,
-        # output), the storage's bytes)
-        self.saved: dict[tuple[int, int], tuple[tuple[int, int], int] | None] = {}
-        self.free: set[tuple[int, int]] = set()  # groups another block keeps anyway
-        self.known = False  # closed with a structure that had a plan
-        self.keys: tuple[Hashable, ...] | None = None  # set when closed cleanly
-        self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
-
-    def needed(self) -> bool:
-        """Whether backward may still need this block (M2)."""
-        state = self.state()
-        return state is not None and bool(state.pending_backward())
-
-    def _check(self, ops: list[Any], place: tuple[int, int], var: Var) -> None:
-        """Keep the plans whose signature has the decided op and output as recorded (M3)."""
-        self.plans = [p for p in self.plans if _agrees(p, ops[place[0]], place, var)]
-
-    def __call__(self, var: Var, t: Tensor) -> bool:
-        """Whether the pack hook stores ``t`` (``var``'s tensor or a view of it)."""
-        record = self.record()
-        root = var.root
-        if record is None or isinstance(root, Input):
-            return False
-        ops = record.ops
-        rec = ops[var.op]
-        place = (var.op, rec.outs.index(var))
-        if self.plans and not _agrees(self.plans[0], rec, place, var):
-            self._check(ops, place, var)
-        if type(t) is not Tensor or root.size is None:
-            self.saved[place] = None  # no storage we can see: never stored
-        else:
-            # Storages are told apart by their group's root, not by address: an address
-            # is reused as soon as an earlier tensor of the block is freed.
-            group = (root.op, ops[root.op].outs.index(root))
-            self.saved[place] = (group, int(root.size.numel()) * root.dtype.itemsize)
-            if self.plans:
-                return place in self.plans[0].chosen
-            budget = self.budget()
-            where = storage_of(t)
-            if budget is not None and where is not None:  # measuring: is it kept anyway (K2)?
-                budget._storages[where[0]] = (StorageWeakRef(t.untyped_storage()), self, group)
-        return False
-
-    def close(self, aborted: bool) -> None:
-        """The block closed: keep the plan that matches it whole, or measure it (M3)."""
-        record = self.record()
-        budget = self.budget()
-        if record is None or budget is None or aborted:
-            self.plans = []
-            return
-        key: Any = signature(record)[0]  # computed once: replay reads it too
-        self.plans = [p for p in self.plans if p.keys == key]
-        self.known = bool(self.plans)
-        self.keys = key
-        if self.known:  # planned: nothing to measure (the per-step cost stays small)
-            return
-        self.inputs = input_storages(record)
-        budget._kept_for_replay(self)
-        budget._measured(self, record)
+def budget_by_key(key: int) -> Budget | None:
+    """The live budget of ``key`` (``Budget.key``: how compiled code names it)."""
+    return _BY_KEY.get(key)
 
 
 class Budget:
-    """A memory budget shared by scopes: how many bytes their blocks may keep for backward.
+    """A memory budget: how many bytes of activations a model (or the scopes given it) may
+    keep on the device after forward; the library picks what to keep, offload and
+    recompute to stay within it at the least predicted step time.
 
     ``budget`` is an int number of bytes or a string such as ``"1.5GiB"`` or
-    ``"800MB"``. The budget bounds what the scopes given this object keep for
-    backward after forward: the block tensors they store plus the outside tensors
-    they keep for replay (each storage once; parameters, and leaves that require
-    grad, are alive anyway and not counted). Gradients are those of the plain
-    program at every budget.
+    ``"800MB"``. Given to :func:`apply_recompute` or the Hugging Face ``enable``, it
+    bounds the model's activation memory after forward: everything its forward leaves
+    for backward that is not a parameter, buffer or input -- scoped or not, each storage
+    once. Given to :class:`recompute_scope` or :func:`checkpoint`, it bounds what those
+    scopes keep. ``offload``: host bytes the budget may fill with offloaded tensors (an
+    int or a string), ``True`` for as many as needed, or None (the default: no offload).
+    Gradients are those of the plain program at every budget.
 
-    The first step with an unseen block structure stores nothing and measures each
-    saved block tensor; from the next step on, the scopes store the tensors that
-    spare the most recompute per byte until the budget is used (see
-    ``docs/budget.md``). Pass it to :func:`apply_recompute` (which also takes an int
-    or a string), :class:`recompute_scope` or :func:`checkpoint`.
+    The first step stores nothing and measures; from the next step on the plan applies
+    (``plan()`` measures a step on demand). See ``docs/budget.md``.
 
     Example::
 
@@ -306,7 +158,7 @@ class Budget:
         >>> from gradient_scope import Budget, apply_recompute
         >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
         ...                         for _ in range(4)))
-        >>> budget = Budget("256KiB")
+        >>> budget = Budget("400KiB")
         >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
         >>> x = torch.randn(128, 64, requires_grad=True)
         >>> for step in range(2):
@@ -314,179 +166,174 @@ class Budget:
         >>> budget.planned_bytes <= budget.bytes
         True
         >>> print(budget.curve())   # doctest: +ELLIPSIS
-              budget       recompute   of all
-        -------------------------------------
+             budget    on device    offloaded    recompute    copy wait         step
+        ----------------------------------------------------------------------------
         ...
     """
 
-    def __init__(self, budget: int | str) -> None:
+    def __init__(self, budget: int | str, offload: bool | int | str | None = None) -> None:
         self.bytes = parse_bytes(budget)
-        self._plans: dict[tuple[Hashable, int], list[_Plan]] = {}
-        self._graphs: dict[tuple[Hashable, tuple[Hashable, ...]], tuple[BlockGraph, Measured]] = {}
-        self._step: list[_BlockPlan] = []
-        # This step's saved block storages (address -> weak ref, block, group): an
-        # address names a storage only while it is alive.
-        self._storages: dict[int, tuple[StorageWeakRef, _BlockPlan, tuple[int, int]]] = {}
-        self._occurrences: dict[Hashable, int] = {}
-        self._warned = False
-        # (site, occurrence, structure) -> (free groups, input storages) last measured
-        self._seen: dict[tuple[Hashable, int, Any], tuple[frozenset[tuple[int, int]], dict[int, int]]] = {}
-        self._floor: int | None = None
-        self._planned: int | None = None
-        self._predicted: float | None = None
-        self._stored: list[StoredOp] = []
-        self._curve: list[tuple[int, float]] = []
+        self._offload_arg = offload
+        self.offload = _offload_limit(offload)
+        self._run = Run(self.bytes, self.offload)
+        if self._run._engine is not None:
+            engines.add(self._run._engine)
+        self.key = next(_keys)  # (what a compiled graph knows it by)
+        _BY_KEY[self.key] = self
 
     def __repr__(self) -> str:
-        return f"Budget({_fmt(self.bytes)!r})"
+        if self.offload is None:
+            return f"Budget({fmt_bytes(self.bytes)!r})"
+        host = "True" if self.offload == math.inf else repr(fmt_bytes(self.offload))
+        return f"Budget({fmt_bytes(self.bytes)!r}, offload={host})"
 
     def __reduce__(self) -> Any:
         # A copy (deepcopy of a model, pickle) is a fresh budget of the same size.
-        return (Budget, (self.bytes,))
+        return (Budget, (self.bytes, self._offload_arg))
 
     # -- what the plan is
 
+    def _result(self) -> Any:
+        self._run.settle()
+        return self._run.result
+
     @property
     def floor_bytes(self) -> int | None:
-        """Bytes kept when nothing is stored (the outside tensors kept for replay);
-        None until a step has been measured and planned."""
-        self._settle()
-        return self._floor
+        """Bytes neither recompute nor offload can move (what the blocks keep for replay
+        and what code outside the scopes saves, less what may be offloaded); None until
+        a step has been measured and planned."""
+        r = self._result()
+        return None if r is None else r.floor
 
     @property
     def planned_bytes(self) -> int | None:
-        """Bytes the current plan keeps (floor + stored), as measured; None before a plan."""
-        self._settle()
-        return self._planned
+        """Bytes the plan keeps on the device after forward; None before a plan."""
+        r = self._result()
+        return None if r is None else r.device
+
+    @property
+    def offloaded_bytes(self) -> int | None:
+        """Bytes the plan offloads to host memory; None before a plan."""
+        r = self._result()
+        return None if r is None else r.host
 
     @property
     def predicted_recompute(self) -> float | None:
-        """Recompute the plan leaves, in cost units (FLOPs for matmul-like ops, bytes
-        moved for the rest); None before a plan."""
-        self._settle()
-        return self._predicted
+        """Seconds per step the plan spends recomputing; None before a plan."""
+        r = self._result()
+        return None if r is None else r.recompute
+
+    @property
+    def predicted_transfer(self) -> float | None:
+        """Seconds per step of offload copies that compute does not hide; None before a plan."""
+        r = self._result()
+        return None if r is None else r.transfer
+
+    @property
+    def predicted_step_time(self) -> float | None:
+        """Predicted seconds of a step's blocks: their forward and backward, the
+        recompute and the copies compute does not hide; None before a plan."""
+        r = self._result()
+        return None if r is None else r.step
+
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        """Predicted activation bytes at the backward peak: those after forward, the
+        largest block's values rebuilt at once, and the bytes fetched ahead; None before
+        a plan."""
+        r = self._result()
+        return None if r is None else r.peak
 
     def stored_ops(self) -> list[StoredOp]:
-        """Which outputs of which ops of which block the plan stores."""
-        self._settle()
-        return list(self._stored)
+        """What the plan does with each saved output of each block -- ``"kept"``,
+        ``"offloaded"`` or ``"recomputed"`` -- and which kept inputs and saves outside
+        the scopes it offloads."""
+        r = self._result()
+        return [] if r is None else list(r.stored)
 
     def curve(self) -> BudgetCurve:
-        """Predicted recompute for every budget, from the last measured step."""
-        self._settle()
-        if self._floor is None:
+        """The predicted bytes against step time for every budget, from the last
+        measured step (a table with units, and a PNG with ``.plot(path)``)."""
+        r = self._result()
+        if r is None:
             raise RuntimeError(
                 "Budget.curve(): no step has been measured yet. Run one forward and backward "
-                "with the scopes of this budget first."
+                "with the scopes of this budget first (or budget.plan(step))."
             )
-        return BudgetCurve(list(self._curve), self.bytes, self._floor)
+        return BudgetCurve(list(r.curve), self.bytes, r.floor)
 
-    # -- steps (M2)
+    def plan(self, step: Callable[[], Any]) -> Budget:
+        """Plan before training: run ``step()`` -- one forward and backward of the model
+        this budget is applied to -- measure it, and plan. Returns the budget, whose
+        figures (``planned_bytes``, ``predicted_peak_bytes``, ``curve()``...) then say
+        what the plan holds and costs; training from the next step on follows it. The
+        step is a real one: zero the gradients afterwards.
 
-    def _settle(self) -> None:
-        if self._step and not any(bp.needed() for bp in self._step):
-            self._end_step()
+        Example::
 
-    def _open_block(self, site: Hashable, record: BlockRecord, state: Any) -> _BlockPlan:
+            >>> import torch, torch.nn as nn
+            >>> from gradient_scope import Budget, apply_recompute
+            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+            >>> budget = Budget("40KiB")
+            >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
+            >>> x = torch.randn(64, 32)
+            >>> budget.plan(lambda: model(x).sum().backward()).planned_bytes <= budget.bytes
+            True
+        """
+        step()
+        if self._result() is None:
+            raise RuntimeError(
+                "Budget.plan(step): the step ran no scope of this budget, or its backward has not "
+                "finished. Pass a function that runs the model's forward and backward once."
+            )
+        return self
+
+    def summary(self) -> str:
+        """The plan in a few lines, with units."""
+        r = self._result()
+        if r is None:
+            return f"{self!r}: no step measured yet"
+        rows = [
+            ("floor (nothing can move it)", fmt_bytes(r.floor)),
+            ("on the device after forward", fmt_bytes(r.device)),
+            ("offloaded to host memory", fmt_bytes(r.host)),
+            ("predicted backward peak", fmt_bytes(r.peak)),
+            ("predicted recompute per step", fmt_seconds(r.recompute)),
+            ("predicted copy wait per step", fmt_seconds(r.transfer)),
+            ("predicted step of the blocks", fmt_seconds(r.step)),
+        ]
+        return "\n".join([f"{self!r}:", *(f"  {k:<32}{v:>12}" for k, v in rows)])
+
+    def release_host_memory(self) -> None:
+        """Give back the pinned host memory no offloaded tensor uses now (the pool keeps
+        it between steps otherwise)."""
+        if self._run._engine is not None:
+            self._run._engine.release_host_memory()
+
+    # -- what the scopes and helpers call
+
+    def _note_compiled(self, device: int, recompute: float, floor: int) -> None:
+        """A compiled graph applied this budget (its device bytes, recompute, floor): the
+        figures to show until an eager step is planned."""
+        if self._run.result is None or self._run.result.blocks == []:
+            below = device > self.bytes
+            self._run.result = StepPlan([], {}, floor, device, 0, recompute, 0.0, recompute, device, below)
+            if below:
+                self._run.warn_once(
+                    "floor",
+                    f"gradient_scope: Budget({fmt_bytes(self.bytes)}) is below the floor of the compiled scopes, "
+                    f"{fmt_bytes(floor)} ({floor} bytes): what their recompute reads from outside them. Raise the "
+                    "budget to at least the floor to make it bind.",
+                )
+
+    def _open_block(self, site: Hashable, record: BlockRecord, state: Any) -> BlockPlan:
         """The decision for a block entered at ``site`` (M1..M3)."""
-        self._settle()
-        n = self._occurrences.get(site, 0)
-        self._occurrences[site] = n + 1
-        bp = _BlockPlan(self, site, n, record, state, list(self._plans.get((site, n), ())))
-        self._step.append(bp)
-        return bp
+        return self._run.open_block(site, record, state)
 
-    def _kept_for_replay(self, bp: _BlockPlan) -> None:
-        """``bp`` closed keeping ``bp.inputs`` for replay: saved storages of earlier
-        blocks among them are in memory anyway (storing them is free, K2)."""
-        for ptr in bp.inputs:
-            seen = self._storages.get(ptr)
-            if seen is not None and seen[1] is not bp and not seen[0].expired():
-                seen[1].free.add(seen[2])
+    def _open_region(self, module: torch.nn.Module, inputs: Any) -> Region:
+        """A forward of the model this budget bounds starts (M6)."""
+        return self._run.open_region(module, inputs)
 
-    def _measured(self, bp: _BlockPlan, record: BlockRecord) -> None:
-        key = (bp.site, bp.keys)
-        if key not in self._graphs:
-            m = measure(record)
-            g = BlockGraph(
-                _where(bp.site),
-                tuple(m.costs),
-                tuple(m.reads),
-                tuple(m.producers),
-                tuple(m.cuttable),
-                tuple(m.needs),
-                (),
-            )
-            self._graphs[key] = (g, m)  # type: ignore[index]
-
-    def _end_step(self) -> None:
-        blocks = [bp for bp in self._step if bp.keys is not None]
-        self._step = []
-        self._storages = {}
-        self._occurrences = {}
-        if any(not bp.known for bp in blocks):
-            for bp in blocks:
-                key = (bp.site, bp.occurrence, bp.keys)
-                if bp.known and key in self._seen:
-                    # Planned in this step, so not measured: what its last measured step
-                    # saw (addresses of then: tagged, so that they never match now's).
-                    free, inputs = self._seen[key]
-                    bp.free = set(free)
-                    bp.inputs = {hash((key, ptr)): n for ptr, n in inputs.items()}
-                else:
-                    self._seen[key] = (frozenset(bp.free), dict(bp.inputs))
-            self._plan_step(blocks)
-
-    def _plan_step(self, blocks: list[_BlockPlan]) -> None:
-        """M4: plan every block of a finished step that had a measured block."""
-        floor_storages: dict[int, int] = {}
-        for bp in blocks:
-            floor_storages.update(bp.inputs)
-        floor = sum(floor_storages.values())
-        graphs: list[BlockGraph] = []
-        measured: list[Measured] = []
-        cands: list[Candidate] = []
-        for b, bp in enumerate(blocks):
-            g, m = self._graphs[(bp.site, bp.keys)]  # type: ignore[index]
-            index = {place: v for v, place in enumerate(m.places)}
-            saved = tuple(index[p] for p in bp.saved if p in index)
-            label = f"{_where(bp.site)}#{bp.occurrence}"
-            graphs.append(BlockGraph(label, g.costs, g.reads, g.producers, g.cuttable, g.needs, saved))
-            measured.append(m)
-            cands.extend(_candidates(bp, b, index))
-        chain = build_chain(graphs, cands)
-        k, below = choose(chain, floor, self.bytes)
-        if below and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"gradient_scope: Budget({_fmt(self.bytes)}) is below the floor of these scopes, "
-                f"{_fmt(floor)} ({floor} bytes): what recomputing everything keeps (the outside "
-                "tensors the blocks read). Only what is in memory anyway is stored; memory stays "
-                "at the floor. Raise the budget to at least the floor to make it bind.",
-                UserWarning,
-                stacklevel=4,
-            )
-        chosen: list[set[tuple[int, int]]] = [set() for _ in blocks]
-        stored: list[StoredOp] = []
-        for c in chain.order[:k]:
-            cand = cands[c]
-            m = measured[cand.block]
-            for v in cand.values:
-                op, out = m.places[v]
-                chosen[cand.block].add((op, out))
-                stored.append(StoredOp(graphs[cand.block].label, m.names[op], out, cand.nbytes))
-        for bp, places in zip(blocks, chosen):
-            key = (bp.site, bp.occurrence)
-            kept = [p for p in self._plans.get(key, []) if p.keys != bp.keys]
-            self._plans[key] = [*kept, _Plan(bp.keys, frozenset(places))]  # type: ignore[arg-type]
-        self._floor = floor
-        self._planned = floor + chain.nbytes[k]
-        self._predicted = chain.cost[k]
-        self._stored = stored
-        rows: list[tuple[int, float]] = []
-        for used, left in zip(chain.nbytes, chain.cost):
-            if rows and rows[-1][0] == floor + used:
-                rows[-1] = (floor + used, left)
-            elif not rows or left < rows[-1][1]:
-                rows.append((floor + used, left))
-        self._curve = rows
+    def _close_region(self, region: Region, output: Any) -> None:
+        """That forward ended (also when it raised)."""
+        self._run.close_region(region, output)

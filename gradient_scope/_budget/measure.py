@@ -3,13 +3,15 @@
 * :func:`measure` -- the block as the planner's graph (``_budget.planner.BlockGraph``, without
   its saved values, which the pack hook reports): each op's cost and the values it reads.
 * :func:`input_storages` -- what the record keeps for replay: the outside tensors it
-  read and the generator states of its random ops.
+  read and the generator states of its random ops; :func:`kept_inputs` -- the outside
+  tensors among them, with the record's aliases of each (what offloading one moves).
 
-Cost model (cost units): an op with a FLOP formula registered in
-``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels) costs its
-FLOPs; a view costs 1; any other op costs the bytes it reads and writes (one unit per
-byte moved). Matmul-like ops do hundreds of FLOPs per byte, so the planner stores
-their outputs first, as ``save_matmuls`` would by hand.
+Cost model (seconds): each op has its work -- the FLOPs of a formula registered in
+``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels; 0 for the rest)
+and the bytes it reads and writes (0 for a view) -- and its replay takes the slower of
+FLOPs and bytes at the device's measured rates, plus one op's overhead
+(``_budget.rates.seconds``). A matmul does hundreds of FLOPs per byte it moves, so at a
+device's rates its output spares more time per byte than an elementwise op's.
 """
 
 from __future__ import annotations
@@ -21,8 +23,18 @@ from torch.utils.flop_counter import flop_registry
 
 from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
 from .._restore.replay import op_refs
+from .rates import Rates, seconds
 
-__all__ = ["value_index", "measure", "Measured", "input_storages", "storage_of"]
+__all__ = [
+    "value_index",
+    "measure",
+    "costs",
+    "op_work",
+    "Measured",
+    "input_storages",
+    "kept_inputs",
+    "storage_of",
+]
 
 Tensor = torch.Tensor
 
@@ -35,10 +47,26 @@ def value_index(record: BlockRecord) -> dict[Var, int]:
 class Measured:
     """What :func:`measure` reads from a closed record (plain data)."""
 
-    __slots__ = ("costs", "reads", "producers", "cuttable", "needs", "names", "places")
+    __slots__ = (
+        "flops",
+        "moved",
+        "reads",
+        "producers",
+        "cuttable",
+        "needs",
+        "names",
+        "places",
+        "device",
+        "params",
+        "out",
+    )
 
     def __init__(self) -> None:
-        self.costs: list[float] = []
+        self.flops: list[float] = []  # per op
+        self.moved: list[float] = []  # per op: bytes read and written
+        self.device = torch.device("cpu")  # of the block's first output
+        self.params = 0  # bytes of the parameters it reads that require grad: their gradients come
+        self.out = 0  # bytes of its last op's first output (its output, usually)
         self.reads: list[tuple[int, ...]] = []
         self.names: list[str] = []  # per op
         self.producers: list[int] = []  # per value
@@ -48,11 +76,16 @@ class Measured:
 
 
 def measure(record: BlockRecord) -> Measured:
-    """The costs and reads of every op of a closed ``record``."""
+    """The work and reads of every op of a closed ``record``."""
     index = value_index(record)
     m = Measured()
+    device = None
     for i, rec in enumerate(record.ops):
-        m.costs.append(op_cost(rec))
+        flops, moved = op_work(rec)
+        m.flops.append(flops)
+        m.moved.append(moved)
+        if device is None:
+            device = next((v.device for v in rec.outs if v is not None), None)
         m.reads.append(tuple(index[r] for r in op_refs(rec) if type(r) is Var))
         m.names.append(str(rec.func))
         for k, v in enumerate(rec.outs):
@@ -62,7 +95,30 @@ def measure(record: BlockRecord) -> Measured:
                 m.cuttable.append(not writes)
                 m.needs.append(tuple(j for j, _ in writes))
                 m.places.append((i, k))
+    if device is not None:
+        m.device = device
+    m.params = _param_bytes(record)
+    last = next((v for v in record.ops[-1].outs if v is not None), None) if record.ops else None
+    m.out = _nbytes(last) if last is not None else 0
     return m
+
+
+def _param_bytes(record: BlockRecord) -> int:
+    seen: dict[int, int] = {}
+    for rec in record.ops:
+        for r in op_refs(rec):
+            if type(r) is Input and not r.snapshot:
+                src = r.source()
+                if isinstance(src, torch.nn.Parameter) and src.requires_grad:
+                    where = storage_of(r.tensor)
+                    if where is not None:
+                        seen[where[0]] = where[1]
+    return sum(seen.values())
+
+
+def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
+    """Each op's replay time in seconds at ``rates``."""
+    return tuple(seconds(f, b, rates) for f, b in zip(m.flops, m.moved))
 
 
 def _nbytes(a: Any) -> int:
@@ -85,27 +141,29 @@ def _shape(a: Any) -> Any:
     return a
 
 
-def op_cost(rec: OpRecord) -> float:
-    """The replay cost of one recorded op (see the module docstring)."""
+def op_work(rec: OpRecord) -> tuple[float, float]:
+    """``(FLOPs, bytes moved)`` of one recorded op (see the module docstring)."""
     func, args, kwargs, outs = rec.func, rec.args, rec.kwargs, rec.outs
+    flops = 0.0
     formula = flop_registry.get(getattr(func, "overloadpacket", None))
     if formula is not None:
         out_shapes = tuple(None if v is None else v.size for v in outs)
         try:
-            flops = formula(
-                *[_shape(a) for a in args],
-                out_val=out_shapes[0] if len(out_shapes) == 1 else out_shapes,
-                **{k: _shape(a) for k, a in kwargs.items()},
+            flops = float(
+                formula(
+                    *[_shape(a) for a in args],
+                    out_val=out_shapes[0] if len(out_shapes) == 1 else out_shapes,
+                    **{k: _shape(a) for k, a in kwargs.items()},
+                )
             )
-            return float(max(int(flops), 1))
-        except Exception:  # noqa: BLE001  (a formula that cannot read this call: bytes instead)
-            pass
+        except Exception:  # noqa: BLE001  (a formula that cannot read this call: bytes only)
+            flops = 0.0
     if getattr(func, "is_view", False):
-        return 1.0
+        return flops, 0.0
     moved = sum(_nbytes(a) for a in (*args, *kwargs.values()))
     moved += sum(_nbytes(x) for a in args if type(a) is list for x in a)
     moved += sum(_nbytes(v) for v in outs if v is not None)
-    return float(max(moved, 1))
+    return flops, float(moved)
 
 
 def storage_of(t: Tensor) -> tuple[int, int] | None:
@@ -120,29 +178,54 @@ def storage_of(t: Tensor) -> tuple[int, int] | None:
     return (s.data_ptr(), n) if n else None
 
 
+def _alive_anyway(r: Input) -> bool:
+    """A parameter, or another leaf that requires grad: alive whatever the block keeps."""
+    src = r.source()
+    if r.snapshot or src is None:
+        return False
+    return isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad)
+
+
 def input_storages(record: BlockRecord) -> dict[int, int]:
     """The storages (address -> bytes) of the outside tensors ``record`` keeps for
     replay, leaving out parameters and leaves that require grad (alive anyway), and of
-    the generator states of its random ops."""
+    the generator states of its random ops (host memory: counted for a block on the CPU
+    only)."""
     out: dict[int, int] = {}
     seen: set[int] = set()
+    device = None
     for rec in record.ops:
-        if rec.rng is not None:  # a random op's generator state, kept for its replay
-            where = storage_of(rec.rng[1])
+        if device is None:
+            device = next((v.device for v in rec.outs if v is not None), None)
+        if rec.rng is not None and (device is None or device.type == "cpu"):
+            where = storage_of(rec.rng[1])  # a random op's generator state, kept for its replay
             if where is not None:
                 out[where[0]] = where[1]
         for r in op_refs(rec):
             if type(r) is not Input or id(r) in seen:
                 continue
             seen.add(id(r))
-            src = r.source()
-            if (
-                not r.snapshot
-                and src is not None
-                and (isinstance(src, torch.nn.Parameter) or (src.is_leaf and src.requires_grad))
-            ):
+            if _alive_anyway(r):
                 continue
             where = storage_of(r.tensor)
             if where is not None:
                 out[where[0]] = where[1]
+    return out
+
+
+def kept_inputs(record: BlockRecord) -> dict[int, list[Input]]:
+    """The outside tensors ``record`` keeps for replay (not the generator states), by
+    storage address, with every Input of each: the order of :func:`input_storages`."""
+    out: dict[int, list[Input]] = {}
+    seen: set[int] = set()
+    for rec in record.ops:
+        for r in op_refs(rec):
+            if type(r) is not Input or id(r) in seen:
+                continue
+            seen.add(id(r))
+            if _alive_anyway(r):
+                continue
+            where = storage_of(r.tensor)
+            if where is not None:
+                out.setdefault(where[0], []).append(r)
     return out

@@ -1,16 +1,20 @@
-"""What a memory budget stores: a pure planner on plain data (no tensors, no torch).
+"""What a memory budget keeps, offloads and recomputes: a pure planner on plain data (no
+tensors, no torch).
 
 The planner sees one training step's scoped blocks as :class:`BlockGraph` objects
-(measured by ``_budget.budget`` from the records of an unplanned step) and a list of
-:class:`Candidate` storages that could be kept instead of recomputed.
+(measured by ``_budget.budget`` from the records of an unplanned step), a list of
+:class:`Candidate` storages that could be kept instead of recomputed, and the
+:class:`Item` storages that nothing can recompute (the floor: what blocks keep for
+replay, what code outside the scopes saves), which only offloading can move.
 
-RULES K1..K5: what a budget's plan stores.
+RULES K1..K8: what a budget's plan keeps, offloads and recomputes.
 
 K1. The recompute cost of a block under a set of stored values is the summed cost of
     the ops in the union of the replay closures of its saved values that are not
     stored: a replay runs each op at most once per backward pass (``_restore.handles`` P4),
     and a stored value whose storage group is never written (``cuttable``) ends the
-    closure of everything that reads it (closure-aware).
+    closure of everything that reads it (closure-aware). Costs are seconds
+    (``_budget.measure``): FLOPs and bytes moved at the device's rates.
 K2. A candidate is one storage of a block: storing it keeps every saved value of
     that block living in it. Its bytes count once; a storage that is in memory anyway
     after forward (an outside tensor another block of the step keeps for replay)
@@ -25,6 +29,17 @@ K4. A budget takes the longest prefix of the chain that fits. Prefixes are neste
     of a smaller budget is a subset of a larger one's.
 K5. A budget below the floor (the bytes kept when nothing is stored) is met as
     closely as possible: only what costs no bytes is stored.
+K6. With a host budget, any floor item or chain candidate a prefix keeps may be
+    offloaded instead: it leaves the device after forward and comes back before
+    backward needs it. Offloaded bytes cost the transfer time that compute cannot hide:
+    copies out overlap the forward, copies back the backward (:meth:`Transfer.exposed`).
+K7. :func:`decide` takes, for every prefix of the chain, the bytes over the budget as
+    offloaded (when the offloadable bytes and the host room suffice) and picks the prefix
+    of least predicted time (recompute + exposed transfer); ties go to fewer offloaded
+    bytes, then the longer prefix. Without a host budget it is K4's prefix. The offloaded
+    items are the earliest in forward order (their copies back have the most time).
+K8. Predicted time never grows with the budget: a larger budget has every choice a
+    smaller one has, and more.
 """
 
 from __future__ import annotations
@@ -32,7 +47,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BlockGraph", "Candidate", "Chain", "recompute_cost", "build_chain", "choose"]
+__all__ = [
+    "BlockGraph",
+    "Candidate",
+    "Chain",
+    "Item",
+    "Transfer",
+    "Decision",
+    "recompute_cost",
+    "build_chain",
+    "choose",
+    "decide",
+]
 
 
 @dataclass(frozen=True)
@@ -192,3 +218,134 @@ def choose(chain: Chain, floor: int, budget: int) -> tuple[int, bool]:
     """
     below = budget < floor
     return chain.prefix(max(budget - floor, 0)), below
+
+
+@dataclass(frozen=True)
+class Item:
+    """A storage on the device that may be offloaded (K6): its bytes, its place in
+    forward order, and whether it can be (a storage the engine can copy)."""
+
+    nbytes: int
+    position: int
+    offloadable: bool = True
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The offload side of a plan (K6): copy rates (bytes/s), the compute (seconds) that
+    the copies out and back overlap, and the host bytes available."""
+
+    to_host: float
+    to_device: float
+    forward: float
+    backward: float
+    host: float
+
+    def exposed(self, nbytes: float) -> float:
+        """Seconds of copying of ``nbytes`` out and back that compute does not hide.
+
+        Example::
+
+            >>> Transfer(1e9, 1e9, forward=0.5, backward=1.0, host=1e12).exposed(2e9)
+            2.5
+        """
+        return max(0.0, nbytes / self.to_host - self.forward) + max(0.0, nbytes / self.to_device - self.backward)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a budget does (K7): the chain prefix ``kept`` is not recomputed; of it and of
+    the floor, ``offloaded_candidates`` and ``offloaded_floor`` (indices) are offloaded.
+    ``device`` and ``host`` bytes after forward; predicted seconds of ``recompute`` and
+    of exposed ``transfer``; ``below``: the budget could not be met."""
+
+    kept: int
+    offloaded_candidates: frozenset[int]
+    offloaded_floor: frozenset[int]
+    device: int
+    host: int
+    recompute: float
+    transfer: float
+    below: bool
+
+
+def decide(
+    chain: Chain, candidates: Sequence[Item], floor: Sequence[Item], budget: int, transfer: Transfer | None
+) -> Decision:
+    """K6, K7: keep, offload and recompute for ``budget`` device bytes.
+
+    ``candidates[c]`` is chain candidate ``c`` as an item (its bytes, position, whether
+    it can be offloaded); ``floor`` the items nothing recomputes.
+
+    Example (a floor of 100 bytes, two candidates of 50 bytes each sparing 1 s; copies
+    of 100 bytes hide behind compute)::
+
+        >>> chain = Chain(order=(0, 1), nbytes=(0, 50, 100), cost=(2.0, 1.0, 0.0))
+        >>> cands, floor = [Item(50, 1), Item(50, 2)], [Item(100, 0)]
+        >>> decide(chain, cands, floor, 150, None).kept                 # K4: one fits
+        1
+        >>> d = decide(chain, cands, floor, 150, Transfer(1e3, 1e3, 0.1, 0.1, 1e9))
+        >>> d.kept, sorted(d.offloaded_floor), d.device, d.recompute  # offload the floor
+        (2, [0], 100, 0.0)
+    """
+    floor_total = sum(i.nbytes for i in floor)
+    host = transfer.host if transfer is not None else 0.0
+    room = [sum(i.nbytes for i in floor if i.offloadable)]  # offloadable bytes per prefix
+    for c in chain.order:
+        cand = candidates[c]
+        room.append(room[-1] + (cand.nbytes if cand.offloadable else 0))
+    # Each feasible prefix with the least time it could have (its bytes over the budget
+    # offloaded exactly); the items picked may overshoot by part of one, so the best few
+    # are picked for real, in order of that bound, until the bound cannot win.
+    bounds: list[tuple[float, int, int]] = []
+    for k in range(len(chain.order) + 1):
+        excess = floor_total + chain.nbytes[k] - budget
+        if excess <= 0:
+            bounds.append((chain.cost[k], -k, 0))
+        elif transfer is not None and excess <= min(host, room[k]):
+            bounds.append((chain.cost[k] + transfer.exposed(excess), -k, excess))
+    bounds.sort(key=lambda b: (b[0], b[2], b[1]))
+    best: tuple[tuple[float, int, int], int, tuple[frozenset[int], frozenset[int], int]] | None = None
+    for bound, neg_k, want in bounds:
+        if best is not None and bound > best[0][0]:
+            break
+        picked = _pick(chain, candidates, floor, -neg_k, want, host)
+        exposed = transfer.exposed(picked[2]) if transfer is not None and picked[2] else 0.0
+        key = (chain.cost[-neg_k] + exposed, picked[2], neg_k)
+        if best is None or key < best[0]:
+            best = (key, -neg_k, picked)
+    below = best is None
+    if best is None:  # K5: as close as possible
+        k = chain.prefix(0)
+        want = int(min(host, room[k])) if transfer is not None else 0
+        picked = _pick(chain, candidates, floor, k, want, host)
+    else:
+        _, k, picked = best
+    off_floor, off_cands, moved = picked
+    device = floor_total + chain.nbytes[k] - moved
+    exposed = transfer.exposed(moved) if transfer is not None and moved else 0.0
+    return Decision(k, off_cands, off_floor, device, moved, chain.cost[k], exposed, below or device > max(budget, 0))
+
+
+def _pick(
+    chain: Chain, candidates: Sequence[Item], floor: Sequence[Item], k: int, want: int, host: float
+) -> tuple[frozenset[int], frozenset[int], int]:
+    """K7: the earliest offloadable items in forward order, until ``want`` bytes (within
+    ``host``)."""
+    if want <= 0:
+        return frozenset(), frozenset(), 0
+    pool = [(item.position, 0, i, item.nbytes) for i, item in enumerate(floor) if item.offloadable and item.nbytes]
+    for c in chain.order[:k]:
+        cand = candidates[c]
+        if cand.offloadable and cand.nbytes:
+            pool.append((cand.position, 1, c, cand.nbytes))
+    pool.sort()
+    taken = [set(), set()]  # type: list[set[int]]
+    moved = 0
+    for _, kind, i, nbytes in pool:
+        if moved >= want:
+            break
+        if moved + nbytes <= host:
+            taken[kind].add(i)
+            moved += nbytes
+    return frozenset(taken[0]), frozenset(taken[1]), moved

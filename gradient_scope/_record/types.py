@@ -254,8 +254,9 @@ class BlockOwner(Protocol):
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Any:
         """A pending handle of this block standing for ``var`` saved at ``version``."""
 
-    def note_stored(self, var: Var, alias: Tensor) -> None:
-        """``alias`` (held by autograd) is ``var``'s value, stored by a budget (S4)."""
+    def note_stored(self, var: Var, alias: Any) -> None:
+        """``alias`` (held by autograd) is ``var``'s value, stored by a budget, or what it
+        was offloaded into (S4)."""
 
 
 class Frame:

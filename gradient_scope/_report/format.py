@@ -17,6 +17,7 @@ class Totals(NamedTuple):
     param: int
     recomputable: int
     held_by_scopes: int
+    offloaded: int = 0  # moved to host memory by a budget
 
 
 def fmt_bytes(n: int) -> str:
@@ -98,7 +99,10 @@ def table(rows: list[SavedTensorsRow], totals: Totals, by: str | None, top: int 
     count = sum(r.count for r in rows)
     footer = [cols(("total", *pad), count, totals.activation, totals.recomputable, totals.param, "")]
     text = _render(header, lines, footer, len(keys), True)
-    return f"{text}\nheld by scopes for replay (not saved by autograd): {fmt_bytes(totals.held_by_scopes)}"
+    text = f"{text}\nheld by scopes for replay (not saved by autograd): {fmt_bytes(totals.held_by_scopes)}"
+    if totals.offloaded:
+        text += f"\noffloaded to host memory by a budget (not on the device): {fmt_bytes(totals.offloaded)}"
+    return text
 
 
 def diff_table(
@@ -147,11 +151,16 @@ def diff_table(
         cols(("activations", *pad), ta.activation, ta.recomputable, tb.activation, tb.recomputable),
         cols(("params", *pad), ta.param, 0, tb.param, 0),
         cols(("held by scopes", *pad), ta.held_by_scopes, 0, tb.held_by_scopes, 0),
+        *(
+            [cols(("offloaded", *pad), ta.offloaded, 0, tb.offloaded, 0)]
+            if ta.offloaded or tb.offloaded
+            else []
+        ),
         cols(
             ("kept in all", *pad),
-            ta.activation + ta.param + ta.held_by_scopes,
+            ta.activation + ta.param + ta.held_by_scopes + ta.offloaded,
             ta.recomputable,
-            tb.activation + tb.param + tb.held_by_scopes,
+            tb.activation + tb.param + tb.held_by_scopes + tb.offloaded,
             tb.recomputable,
         ),
     ]

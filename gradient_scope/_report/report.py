@@ -38,6 +38,8 @@ from .._base.torch_compat import (
     top_saved_hooks,
     without_torch_function,
 )
+from .._budget.offload import Offloaded, evicted_bytes
+from .._record.registry import lookup
 from .._record.types import Input
 from .._save.pack import Foreign, Stored, add_pack_listener, unpack
 from .format import Totals, diff_table, fmt_bytes, table
@@ -45,6 +47,20 @@ from .tally import SavedTensorsRow, Tally, held_outside
 from .where import Location, ModuleStack, OpTracker, op_name, python_caller, user_line
 
 __all__ = ["SavedTensorsReport", "SavedTensorsRow", "saved_tensors_report"]
+
+
+class _Transparent:
+    """The report's pack hook: transparent (``_save.pack`` S4, S5), a budget below it still
+    offloads, and tells the report through the pack listener."""
+
+    transparent = True
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        return self.fn(t)
 
 
 class _Observer:
@@ -67,12 +83,23 @@ class _Observer:
 
     # -- where and what
 
-    def _record(self, t: torch.Tensor, recomputable: bool) -> None:
+    def _record(self, t: torch.Tensor, recomputable: bool, offloaded: bool = False) -> None:
         module, cls = self.modules.current()
         tracker = self.tracker
         func = tracker.current if tracker is not None else None
         op = op_name(func) if func is not None else python_caller()
-        self.tally.add((module, op, cls), t, recomputable, self._made_in_block, self._made_at)
+        self.tally.add((module, op, cls), t, recomputable, self._made_in_block, self._made_at, offloaded)
+
+    def _note_block(self, t: torch.Tensor) -> None:
+        """A block tensor (or a view of one) kept or offloaded by a budget: its block's
+        replay state, whose record holds what it keeps for replay."""
+        entry = lookup(t)
+        if entry is None and t._base is not None:
+            entry = lookup(t._base)
+        state = entry.frame.owner if entry is not None else None
+        seen = self.states.get(id(state))
+        if state is not None and (seen is None or seen() is not state):
+            self.states[id(state)] = weakref.ref(state)
 
     def _made_in_block(self, t: torch.Tensor, key: int) -> bool:
         tracker = self.tracker
@@ -111,14 +138,18 @@ class _Observer:
         if not recomputable and self.open and threading.get_ident() == self.thread:
             with without_torch_function():
                 self._record(t, False)
+                self._note_block(t)
         return packed
 
     def on_scope_pack(self, t: torch.Tensor, handle: Any) -> None:
         # A scope pair above ours turned ``t`` into a handle (stored and passed-on
         # tensors reach our own pack through the scope's pair).
         if self.open and threading.get_ident() == self.thread:
+            offloaded = isinstance(handle, Offloaded)  # a budget moved it to host memory
             with without_torch_function():
-                self._record(t, True)
+                self._record(t, not offloaded, offloaded)
+                if offloaded:
+                    self._note_block(t)
             self.handled = id(t)
             state = getattr(handle, "state", None)
             seen = self.states.get(id(state))
@@ -159,7 +190,7 @@ class _Observer:
         self.seq0 = sequence_nr()
         self.modules = ModuleStack(self.thread, self.model)
         below = top_saved_hooks()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_Transparent(self.pack), unpack)
         hooks.__enter__()  # raises (nothing changed) where saved-tensor hooks are disabled
         self.below = below
         self.hooks = hooks
@@ -210,6 +241,24 @@ class _Observer:
             raise error
 
 
+def _offloaded_inputs(states: dict[int, weakref.ref[Any]]) -> int:
+    """Bytes of the outside tensors the blocks seen keep for replay that a budget
+    offloaded in place (each storage once)."""
+    seen: set[int] = set()
+    total = 0
+    for ref in states.values():
+        record = getattr(ref(), "record", None)
+        for rec in record.ops if record is not None else ():
+            for a in (*rec.args, *rec.kwargs.values()):
+                for x in a if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(x, Input):
+                        key, n = evicted_bytes(x.tensor)
+                        if n and key not in seen:
+                            seen.add(key)
+                            total += n
+    return total
+
+
 class SavedTensorsReport:
     """What autograd saved for backward while a ``with`` block ran; see
     :func:`saved_tensors_report`.
@@ -247,6 +296,7 @@ class SavedTensorsReport:
             sum(r.param_bytes for r in rows),
             sum(r.recomputable_bytes for r in rows),
             self._observer.held(),
+            sum(r.offloaded_bytes for r in rows) + _offloaded_inputs(self._observer.states),
         )
         if self._state == "done":
             self._result = totals, rows
@@ -283,6 +333,14 @@ class SavedTensorsReport:
         storages, each once; parameters and other older tensors are alive anyway),
         and the RNG states of their random ops, measured when the block ends."""
         return self._compute()[0].held_by_scopes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes a memory budget moved to host memory (``Budget(..., offload=)``): saved
+        tensors and the outside tensors blocks keep for replay, each storage once. Under
+        a budget, ``activation_bytes + held_by_scopes_bytes + offloaded_bytes`` is what
+        the forward leaves, on the device and off it."""
+        return self._compute()[0].offloaded
 
     @property
     def rows(self) -> list[SavedTensorsRow]:
@@ -376,6 +434,10 @@ def saved_tensors_report(model: nn.Module | None = None) -> SavedTensorsReport:
       block that their blocks read, whole storages, each once, and the RNG states
       of their random ops), when the block ends. What forward leaves in memory is
       ``activation_bytes + held_by_scopes_bytes`` (and what it returns).
+    * ``report.offloaded_bytes``: under a memory budget with ``offload=``, what the
+      budget moved to host memory (its own column; a budget's kept tensors count as
+      stored activations): activations + held by scopes + offloaded is what forward
+      leaves.
     * ``report.rows``: one :class:`SavedTensorsRow` per (module path, op),
       largest first; each storage's bytes are charged to the first row that
       stored it (else the first that saved it as a handle). A row names the

@@ -77,10 +77,23 @@ class SavedTensorsRow:
     largest_shape: tuple[int, ...] | None = None
     largest_dtype: torch.dtype | None = None
     largest_source: str = ""
+    #: bytes of the distinct storages a memory budget offloaded to host memory
+    offloaded_bytes: int = 0
 
 
 class _Storage:
-    __slots__ = ("nbytes", "recomputable_row", "ref", "stored_row", "activation", "shape", "dtype", "where", "serial")
+    __slots__ = (
+        "nbytes",
+        "recomputable_row",
+        "ref",
+        "stored_row",
+        "activation",
+        "shape",
+        "dtype",
+        "where",
+        "serial",
+        "offloaded_row",
+    )
 
     def __init__(
         self, ref: Any, nbytes: int, t: torch.Tensor, activation: bool, where: Location | None, serial: int
@@ -89,6 +102,7 @@ class _Storage:
         self.nbytes = nbytes
         self.stored_row: RowKey | None = None
         self.recomputable_row: RowKey | None = None
+        self.offloaded_row: RowKey | None = None
         self.activation = activation
         self.shape = tuple(t.shape)
         self.dtype = t.dtype
@@ -128,9 +142,11 @@ class Tally:
         recomputable: bool,
         activation: Callable[[torch.Tensor, int], bool],
         where: Callable[[torch.Tensor, int], Location | None],
+        offloaded: bool = False,
     ) -> None:
-        """Count one save of ``t``; ``activation`` and ``where`` are asked only for
-        the first save of a storage."""
+        """Count one save of ``t`` (``recomputable``: as a handle; ``offloaded``: moved to
+        host memory); ``activation`` and ``where`` are asked only for the first save of a
+        storage."""
         self.rows[key] = self.rows.get(key, 0) + 1
         skey, ref, nbytes = storage_of(t)
         entry = self.storages.get(skey)
@@ -142,7 +158,10 @@ class Tally:
             where_made = where(t, skey) if made else None
             serial = len(self.storages) + len(self.retired)
             entry = self.storages[skey] = _Storage(ref, nbytes, t, made, where_made, serial)
-        if recomputable:
+        if offloaded:
+            if entry.offloaded_row is None:
+                entry.offloaded_row = key
+        elif recomputable:
             if entry.recomputable_row is None:
                 entry.recomputable_row = key
         elif entry.stored_row is None:
@@ -154,27 +173,42 @@ class Tally:
 
     def rows_list(self) -> list[SavedTensorsRow]:
         """One row per key, largest first (activations and handles, then parameters)."""
-        acc: dict[RowKey, list[Any]] = {key: [0, 0, 0, None] for key in self.rows}
+        acc: dict[RowKey, list[Any]] = {key: [0, 0, 0, None, 0] for key in self.rows}
         for s in (*self.retired, *self.storages.values()):
-            key = s.stored_row if s.stored_row is not None else s.recomputable_row
+            key: RowKey | None
+            if s.stored_row is not None:
+                key, column = s.stored_row, (1 if s.activation else 2)
+            elif s.offloaded_row is not None:
+                key, column = s.offloaded_row, 4  # on the host: neither kept nor recomputed
+            else:
+                key, column = s.recomputable_row, 0
             if key is None:
                 continue
             a = acc[key]
-            a[0 if s.stored_row is None else (1 if s.activation else 2)] += s.nbytes
+            a[column] += s.nbytes
             if a[3] is None or _rank(s) > _rank(a[3]):
                 a[3] = s  # the largest, an activation or a handle before a parameter
         rows = []
-        for (module, op, cls), (rec, act, par, big) in acc.items():
-            largest = (big.nbytes, big.shape, big.dtype, _source(big.where)) if big is not None else ()
+        for (module, op, cls), (rec, act, par, big, off) in acc.items():
             count = self.rows[(module, op, cls)]
-            rows.append(SavedTensorsRow(module, op, count, act + par, rec, act, par, cls, *largest))
+            row = SavedTensorsRow(module, op, count, act + par, rec, act, par, cls, offloaded_bytes=off)
+            if big is not None:
+                row = replace(row, largest_bytes=big.nbytes, largest_shape=big.shape, largest_dtype=big.dtype,
+                              largest_source=_source(big.where))  # fmt: skip
+            rows.append(row)
         return sort_rows(rows)
 
 
 def sort_rows(rows: Iterable[SavedTensorsRow]) -> list[SavedTensorsRow]:
     return sorted(
         rows,
-        key=lambda r: (-(r.activation_bytes + r.recomputable_bytes), -r.param_bytes, -r.count, r.module, r.op),
+        key=lambda r: (
+            -(r.activation_bytes + r.recomputable_bytes + r.offloaded_bytes),
+            -r.param_bytes,
+            -r.count,
+            r.module,
+            r.op,
+        ),
     )
 
 
@@ -224,6 +258,7 @@ def group_rows(rows: Iterable[SavedTensorsRow], by: str | None) -> list[SavedTen
             recomputable_bytes=g.recomputable_bytes + r.recomputable_bytes,
             activation_bytes=g.activation_bytes + r.activation_bytes,
             param_bytes=g.param_bytes + r.param_bytes,
+            offloaded_bytes=g.offloaded_bytes + r.offloaded_bytes,
         )
     return sort_rows(groups.values())
 

@@ -47,7 +47,11 @@ P8. A storage group with members of separate version counters (``unsafe_chunk``
     those members before a replay.
 P9. A value a budget stored (``_save.pack`` S4) is, while autograd holds it, read by
     replays of other values as a cached value: their closures stop at it. A closed
-    block is released (P7) once no handle is left and no stored value is alive.
+    block is released (P7) once no handle is left and no stored or offloaded value is
+    alive (an offloaded one is noted by its packed object, which replays do not read), or
+    at once when its budget kept every value it saved (nothing will be replayed). An
+    outside tensor whose storage a budget offloaded in place is brought back by the
+    freed-storage handlers before a handle is served from it (P3).
 """
 
 from __future__ import annotations
@@ -62,11 +66,12 @@ import torch
 from .._base import errors as _errors
 from .._base.errors import RecomputeError, inplace_error, internal_error
 from .._base.stats import ScopeStats
+from .._base.subclass import storage_freed
 from .._base.torch_compat import below_autograd, current_graph_task, profiler_range, queue_engine_callback
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
-from .replay import Derived, replay, same_values
+from .replay import Derived, replay, restore_freed, same_values
 
 __all__ = ["Handle", "ReplayState", "materialize"]
 
@@ -121,6 +126,8 @@ def materialize(h: Handle) -> Tensor:
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
     t = value_in_memory(h.var, h.version) if h.check is None else None
+    if t is not None and storage_freed(t) and not restore_freed(t):
+        t = None  # emptied by someone we cannot ask (P9): replay it
     if t is not None and not h.itself and moved(h.var, t):
         t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
@@ -212,11 +219,13 @@ class ReplayState:
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
-        # P9: values a budget stored (the Stored alias, weakly: autograd owns it).
-        self.stored: dict[Var, weakref.ref[Tensor]] = {}
+        # P9: values a budget stored (the Stored alias, weakly: autograd owns it), or
+        # offloaded (the packed object).
+        self.stored: dict[Var, weakref.ref[Any]] = {}
 
-    def note_stored(self, var: Var, alias: Tensor) -> None:
-        """``alias`` (held by autograd) is ``var``'s stored value (P9)."""
+    def note_stored(self, var: Var, alias: Any) -> None:
+        """``alias`` (held by autograd) is ``var``'s stored value, or its offloaded
+        packed object (P9)."""
         with self.lock:
             self.stored[var] = weakref.ref(alias, _on_stored_death(weakref.ref(self)))
 
@@ -322,6 +331,17 @@ class ReplayState:
                     self.current = None
             self.release_if_done()
 
+    def release_all_kept(self) -> bool:
+        """P9: a closed block with no handle, whose budget kept every value it saved, is
+        released now. True if it was."""
+        with self.lock:
+            record = self.record
+            if self.handles or record is None or record.open:
+                return False
+            self.stored = {}
+            self.release_if_done()
+            return self.record is None
+
     def release_if_done(self) -> None:
         """P7, P9: a closed block with no handle left and no stored value alive is
         released (call under ``lock``)."""
@@ -367,7 +387,7 @@ class ReplayState:
 
 
 def _with_stored(
-    stored: dict[Var, weakref.ref[Tensor]], cache: dict[tuple[Var, int], Tensor]
+    stored: dict[Var, weakref.ref[Any]], cache: dict[tuple[Var, int], Tensor]
 ) -> dict[tuple[Var, int], Tensor]:
     """``cache`` and the stored values still held by autograd (P9)."""
     if not stored:
@@ -375,7 +395,7 @@ def _with_stored(
     out = dict(cache)
     for var, ref in stored.items():
         t = ref()
-        if t is not None and not var.root.writes and t._version == var.version:
+        if type(t) is Tensor and not var.root.writes and t._version == var.version:
             out.setdefault((var, 0), t)
     return out
 

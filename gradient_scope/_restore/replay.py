@@ -27,7 +27,7 @@ from .._record.types import BlockRecord, Input, OpRecord, Ref, Var, live_value
 from .codegen import compiled, failed
 from .structure import Fill, Program, Slots, Structure, structure_of
 
-__all__ = ["Derived", "op_refs", "replay", "same_values", "add_freed_storage_handler"]
+__all__ = ["Derived", "op_refs", "replay", "same_values", "add_freed_storage_handler", "restore_freed"]
 
 Tensor = torch.Tensor
 H = TypeVar("H")  # whoever holds a kept value (a pending handle)
@@ -42,7 +42,8 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
     _freed_storage_handlers.append(fn)
 
 
-def _freed(t: Tensor) -> bool:
+def restore_freed(t: Tensor) -> bool:
+    """Ask the freed-storage handlers to bring ``t``'s storage back; True if one did (P6)."""
     return any(fn(t) for fn in _freed_storage_handlers)
 
 
@@ -65,7 +66,7 @@ def _input_value(r: Input, func: Any) -> Tensor:
     t = r.tensor
     if r.snapshot:
         return t.clone(memory_format=torch.preserve_format)  # replay writes into a copy (R1)
-    if storage_freed(t) and not _freed(t):
+    if storage_freed(t) and not restore_freed(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
             f"{list(t.shape)} ({t.dtype}), read from outside the recompute_scope, has had its "

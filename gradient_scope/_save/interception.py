@@ -3,10 +3,12 @@ PyTorch's saved-tensor hook stack or patches PyTorch.
 
 RULES I1..I7: the hook pair's invariants.
 
-I1. While a thread has an open block or a live block tensor, exactly one pair
-    of ours is on its hook stack, innermost unless a context was entered after
-    it; when it has neither, at the next safe point (I4), the pair leaves and
-    the stack is exactly what it would be without the scope.
+I1. While a thread has an open block, a live block tensor or an open model
+    region (``_save.pack`` S5), exactly one pair of ours is on its hook stack,
+    innermost unless a context was entered after it; when it has none of them,
+    at the next safe point (I4), the pair leaves and the stack is exactly what it
+    would be without the scope. Blocks and regions are numbered in one sequence
+    (:func:`next_serial`).
 I2. Our pack callable carries the pair directly below it and hands it every
     tensor that is not ours (S2 in ``_save.pack``). A pair pushed above another
     context (a block started inside it) intercepts only tensors of blocks
@@ -48,6 +50,7 @@ I7. Inside a backward pass (a checkpoint's recomputation, a custom backward)
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +72,14 @@ from .._record import recorder as _recorder
 from .._record import registry as _registry
 from . import pack as _pack
 
-__all__ = ["ensure_on_top", "sweep"]
+__all__ = ["ensure_on_top", "sweep", "next_serial"]
+
+_serials = itertools.count(1)
+
+
+def next_serial() -> int:
+    """The serial of a block or region about to start (entry order, I1, I2)."""
+    return next(_serials)
 
 
 class _Thread:
@@ -343,7 +353,7 @@ def ensure_on_top(serial: int) -> None:
 
 
 def _needed() -> bool:
-    return _recorder.has_open_block() or _registry.ledger().live > 0
+    return _recorder.has_open_block() or _registry.ledger().live > 0 or _pack.regions_open()
 
 
 def sweep() -> None:

@@ -1,6 +1,6 @@
 """Save: what a save becomes -- a handle, the tensor as stored, or whatever the pair below ours makes.
 
-RULES S1..S5: what a save becomes.
+RULES S1..S6: what a save becomes.
 
 S1. A block tensor, or a view of one, saved while our pair applies to its
     block, becomes a :class:`~gradient_scope._restore.handles.Handle` -- unless it must
@@ -17,13 +17,22 @@ S2. Anything else goes to the pair below ours, exactly as without the scope.
 S3. Packing never reads the data of the tensor it packs: some kernels save an
     argument before they write it.
 S4. A block tensor its frame's ``store`` decision (a memory budget's plan) picks
-    is stored as in S2; its replay state is told, so that replays of other values
-    read it instead of recomputing it (``_restore.handles`` P9).
+    is kept as in S2 -- handed to the pair below ours if there is one, else stored
+    -- and its replay state is told, so that replays of other values read it instead
+    of recomputing it (``_restore.handles`` P9). A decision to offload is a callable
+    that makes the packed object (the budget's offload engine); it applies when no
+    pair is below ours, or only a transparent one (a report, which counts and hands
+    on), and is kept as above when the callable declines. Listeners hear of what
+    is offloaded as of handles.
 S5. While a thread runs a block in its steady state (``_adapters.steady``: the
     block's ops run without the recorder), the saves of that run go to the run's
     sequencer, which knows from the block's template what the n-th save is; it
-    decides S1..S4 for the block's own tensors and hands every other save back to
-    :func:`pack_as_usual`.
+    decides S1..S4 for the block's own tensors (S4 by :func:`kept_by_budget`) and
+    hands every other save back to :func:`pack_as_usual`.
+S6. A tensor that is not a block's, saved while a model region of this thread is
+    open (a model-level budget's forward), is shown to the region's innermost
+    observer, which counts it and may offload it under the same condition as S4;
+    otherwise S2.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from .._record.types import Input, Var, ViewSpec, moved
 __all__ = [
     "pack",
     "pack_as_usual",
+    "kept_by_budget",
     "unpack",
     "add_pack_listener",
     "notify_listeners",
@@ -53,8 +63,10 @@ __all__ = [
     "Sequencer",
     "sequencing",
     "new_handle",
-    "store_chosen",
     "store_as_usual",
+    "open_region",
+    "close_region",
+    "regions_open",
 ]
 
 Tensor = torch.Tensor
@@ -104,6 +116,38 @@ class sequencing:
 
     def __exit__(self, *exc: object) -> None:
         _tls.seq = self.prior
+
+
+_regions = threading.local()  # .stack: this thread's open regions' observers (S6)
+
+
+def open_region(observer: Callable[[Tensor, bool], Any]) -> None:
+    """A model region opens in this thread: ``observer(t, may_take)`` sees each tensor
+    that is not a block's saved from now on until :func:`close_region`, and returns
+    what it packs it into (it offloads it; only when ``may_take``) or None (S6)."""
+    stack = getattr(_regions, "stack", None)
+    if stack is None:
+        stack = _regions.stack = []
+    stack.append(observer)
+
+
+def close_region(observer: Callable[[Tensor, bool], Any]) -> None:
+    """The region of ``observer`` closes (regions may close out of order)."""
+    stack = getattr(_regions, "stack", None) or []
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is observer:
+            del stack[i]
+            return
+
+
+def regions_open() -> bool:
+    """Whether this thread has an open model region (our pair stays on its stack, I1)."""
+    return bool(getattr(_regions, "stack", None))
+
+
+def _may_take(below: HookPair | None) -> bool:
+    """S4, S6: a budget may offload only with no pair below ours, or a transparent one."""
+    return below is None or bool(getattr(below[0], "transparent", False))
 
 
 def may_be_new_output(t: Tensor) -> bool:
@@ -162,15 +206,6 @@ def new_handle(
     if _listeners:
         notify_listeners(t, h)
     return h
-
-
-def store_chosen(frame: Any, var: Var, t: Tensor, view: ViewSpec | None) -> Stored:
-    """S4: ``t`` (``var``'s tensor or ``view`` of it), stored as its frame's ``store``
-    decision chose; the replay state reads it instead of recomputing it (P9)."""
-    stored = Stored(t, True)
-    if view is None and frame.owner is not None:
-        frame.owner.note_stored(var, stored.t)
-    return stored
 
 
 def store_as_usual(below: HookPair | None, t: Tensor, made_by_block: bool) -> Any:
@@ -244,12 +279,43 @@ def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
         frame = entry.frame
-        if frame.store is not None and frame.store(entry, t):
-            return store_chosen(frame, entry, t, view)  # type: ignore[arg-type]  # S4
+        if frame.store is not None:
+            decision = frame.store(entry, t)
+            if decision:
+                return kept_by_budget(decision, entry, t, view is None, below, frame.owner)  # S4
         h = _handle(entry, t, view)  # S1
         if h is not None:
             return h
+    stack = getattr(_regions, "stack", None)
+    if stack and entry is None:
+        packed = stack[-1](t, _may_take(below))  # S6
+        if packed is not None:
+            if _listeners:
+                notify_listeners(t, packed)
+            return packed
     return store_as_usual(below, t, made_by_block)
+
+
+def kept_by_budget(decision: Any, entry: Any, t: Tensor, whole: bool, below: HookPair | None, owner: Any) -> Any:
+    """S4: what a block tensor its budget keeps or offloads becomes (``entry``: its Var;
+    ``whole``: ``t`` is the Var's tensor, not a view of it; ``owner``: the block's replay
+    state)."""
+    if decision is not True and _may_take(below):
+        packed = decision(entry, t)
+        if packed is not None:
+            if owner is not None:
+                owner.note_stored(entry, packed)  # the block lives while it does (P9)
+            for fn in _listeners:
+                fn(t, packed)
+            return packed
+    if below is not None:
+        if whole and owner is not None:
+            owner.note_stored(entry, t)
+        return Foreign(below[1], below[0](t))
+    stored = Stored(t, True)
+    if whole and owner is not None:
+        owner.note_stored(entry, stored.t)
+    return stored
 
 
 def unpack(packed: Any) -> Tensor:

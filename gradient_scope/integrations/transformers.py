@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover (transformers is in the test extra)
         "gradient_scope.integrations.transformers needs Hugging Face transformers (pip install 'transformers>=5.20')"
     ) from e
 
-from .._api.helpers import scope_modules
+from .._api.helpers import detach_budget, scope_modules
 from .._api.selection import check_every_n
 from .._base.feedback import warn_user
 
@@ -191,6 +191,7 @@ def disable(model: nn.Module) -> nn.Module:
             f"{type(model).__name__} (or disable() already was)."
         )
     state.handle.remove()
+    detach_budget(model)
     for layer, forward in state.before:
         if forward is _ABSENT:
             layer.__dict__.pop("forward", None)

@@ -20,7 +20,8 @@ block's tensors:
    (``aot_eager``, inductor, ...); dynamo's end-of-compile callback puts the config back
    exactly as it was. The pass marks the block's forward nodes
    ``CheckpointPolicy.MUST_RECOMPUTE`` (``MUST_SAVE`` for ops the ``save=`` policy keeps),
-   with one ``ac_graph_id`` per outermost scope, so the min-cut partitioner recomputes
+   with one ``ac_graph_id`` per outermost scope (a scope with a budget: ``MUST_SAVE`` for
+   what its plan keeps, :mod:`.budget`), so the min-cut partitioner recomputes
    them in the backward graph, also where an op after the block saves them; random ops
    in the block are replayed with the RNG state they drew in forward (the partitioner's
    ``functionalize_rng_ops``). In a graph with a scope, every forward read of a graph
@@ -67,7 +68,9 @@ from ..._base.feedback import warn_once
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats
 from ..._base.torch_compat import OpOverload, op_schema
+from ..._budget.budget import budget_by_key
 from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
+from .budget import keep_within
 from .inputs import pin_reads_of_written_inputs
 from .versions import guard_input_versions
 
@@ -105,22 +108,6 @@ def _missing_piece() -> str | None:
 
 _MISSING: str | None = _missing_piece()
 _warned = False
-
-
-_budget_warned = False
-
-
-def _warn_budget_ignored() -> None:
-    global _budget_warned
-    if not _budget_warned:
-        _budget_warned = True
-        warnings.warn(
-            "gradient_scope: budget= is not applied inside torch.compile'd code: there the scope "
-            "is part of the compiled graph and its backward recomputes the block's tensors (as "
-            "recompute_scope() without a budget). Budgets apply to scopes that run eagerly.",
-            UserWarning,
-            stacklevel=2,
-        )
 
 
 def _warn_fallback(missing: str) -> None:
@@ -182,11 +169,12 @@ class CompiledScope:
 
 
 class _Entry:
-    __slots__ = ("policy", "scope")
+    __slots__ = ("policy", "scope", "budget")
 
-    def __init__(self, policy: Callable[[Any], bool] | None, scope: CompiledScope) -> None:
+    def __init__(self, policy: Callable[[Any], bool] | None, scope: CompiledScope, budget: Any = None) -> None:
         self.policy = policy
         self.scope = weakref.ref(scope)
+        self.budget = budget  # a Budget: the pass keeps what its plan picks (``.budget``)
 
 
 # scope_id -> policy and stats of a scope met while tracing. The stats object is held
@@ -200,15 +188,15 @@ def _prepare(
     save: Any = None,
     enabled: Any = True,
     debug: Any = False,
-    budget_given: bool = False,
+    budget_given: int | bool = False,
 ) -> tuple[Any, CompiledScope]:
     """Run for real while dynamo traces (``assume_constant_result``): check the options,
     register the scope, open the compile session. Returns ``(spec, scope)``: ``spec`` is
     the annotation value ``(region, scope_id)``, None for a no-op block, or
-    ``"eager"`` when this torch cannot compile scopes. ``budget_given``: the scope
-    had ``budget=``, which compiled code does not apply (one warning)."""
-    if budget_given:
-        _warn_budget_ignored()
+    ``"eager"`` when this torch cannot compile scopes. ``budget_given``: the key of the
+    scope's ``Budget`` (``_budget.budget.budget_by_key``), whose plan the joint-graph pass
+    applies (``.budget``)."""
+    budget = budget_by_key(budget_given) if type(budget_given) is int else None
     options = dict(
         preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
         save=save,
@@ -226,7 +214,7 @@ def _prepare(
         for key in [k for k, e in _ENTRIES.items() if e.scope() is None]:
             del _ENTRIES[key]
     scope_id = next(_ids)
-    _ENTRIES[scope_id] = _Entry(policy, scope)
+    _ENTRIES[scope_id] = _Entry(policy, scope, budget)
     # Nested in another scope of this graph: the same region (as eager scopes record
     # into the enclosing block), so the partitioner keeps no boundary between them.
     # annotate() of the enclosing scope has really run while dynamo traced it.
@@ -434,6 +422,23 @@ def _check_matched(tagged: list[tuple[torch.fx.Node, _Entry]], decisions: dict[t
             )
 
 
+def _apply_budgets(tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[torch.fx.Node]) -> None:
+    """The scopes with a budget: keep what its plan picks, recompute the rest (``.budget``)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    groups: dict[int, tuple[Any, dict[Any, list[torch.fx.Node]]]] = {}
+    for node, entry in tagged:
+        if entry.budget is not None:
+            regions = groups.setdefault(id(entry.budget), (entry.budget, {}))[1]
+            regions.setdefault(node.meta["ac_graph_id"], []).append(node)
+    for budget, regions in groups.values():
+        kept = keep_within(budget, regions, backward)
+        for nodes in regions.values():
+            for node in nodes:
+                keep = node in kept
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+
+
 def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
     """Mark the scopes' forward nodes MUST_RECOMPUTE / MUST_SAVE for the partitioner."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -459,6 +464,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         node.meta["ac_graph_id"] = region
         tagged.append((node, entry))
     _check_matched(tagged, decisions)
+    _apply_budgets(tagged, backward)
     # getitem of a multi-output op follows its op (a tuple itself cannot be saved).
     for node, _ in tagged:
         if node.target is not operator.getitem:

@@ -68,12 +68,12 @@ from ..._record.signature import Slots, signature
 from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
 from ..._restore.handles import ReplayState
 from ..._save.pack import (
+    kept_by_budget,
     may_be_new_output,
     new_handle,
     pack_as_usual,
     sequencing,
     store_as_usual,
-    store_chosen,
 )
 from .capture import NodeValues, locate, take, with_extra_outputs
 from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
@@ -374,13 +374,13 @@ class _Sequencer:
         elif p.kind == KEEP:
             out = store_as_usual(below, t, True)
         else:
-            out = self._block_save(p, t)
+            out = self._block_save(p, t, below)
         gens = self.tpl.observe.get(n + 1)
         if gens:
             self.states[n + 1] = {g: g.get_state() for g in gens}
         return out
 
-    def _block_save(self, p: Save, t: Tensor) -> Any:
+    def _block_save(self, p: Save, t: Tensor, below: Any) -> Any:
         var: Var = p.var  # type: ignore[assignment]
         version = p.version  # in the template's count, as its writes are (P2)
         if id(var) in self.tpl.output_ids:
@@ -388,8 +388,10 @@ class _Sequencer:
             if not var.root.writes:  # D4: an output's own count (see ``_own``)
                 version = t._version
         frame = self.frame
-        if frame.store is not None and frame.store(var, t):
-            return store_chosen(frame, var, t, p.view)  # S4
+        if frame.store is not None:
+            decision = frame.store(var, t)
+            if decision:  # S4: kept or offloaded, as a recorded block's
+                return kept_by_budget(decision, var, t, p.view is None, below, self.state)
         return new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)  # S1
 
     def _own(self, tv: Var, t: Tensor) -> Var:

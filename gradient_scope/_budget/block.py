@@ -1,0 +1,178 @@
+"""One scoped block under a budget: the decision its frame carries for each saved
+tensor (M1, M3 in ``_budget.budget``), what it saw (for M4), and what its plan does at
+its close (kept inputs offloaded in place, the record dropped when everything is kept)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._record.signature import output_matches, signature
+from .._record.types import BlockRecord, Input, Var
+from .measure import input_storages, kept_inputs, storage_of
+
+if TYPE_CHECKING:
+    from .run import Run
+
+__all__ = ["BlockPlan", "Plan"]
+
+Tensor = torch.Tensor
+Place = tuple[int, int]  # (op, output)
+
+
+class Plan(NamedTuple):
+    """What a block of one structure does (``_budget.step.BlockChoice`` with its key)."""
+
+    keys: tuple[Hashable, ...]  # the signature of the structure it was made for (an entry per op first)
+    chosen: frozenset[Place]  # kept on the device
+    offloaded: frozenset[Place]  # offloaded
+    hold: frozenset[int]  # kept inputs offloaded in place: ordinals whose aliases to note
+    evict: frozenset[int]  # of them, those this block offloads
+    whole: bool  # every saved value kept: the record goes at close
+
+
+def _agrees(plan: Plan, rec: Any, place: Place, var: Var) -> bool:
+    """M3 for one decision: ``plan``'s signature has the decided op and output as recorded."""
+    j, k = place
+    return j < len(plan.keys) and output_matches(plan.keys[j], rec.func, len(rec.outs), k, var.size, var.dtype)
+
+
+class BlockPlan:
+    """One block's decision (M1, M3) and what it saw (for M4). Refers to its budget
+    and record weakly: the budget holds it until its step is planned, and a record
+    must die with its last handle (``_restore.handles`` P7)."""
+
+    __slots__ = (
+        "budget",
+        "site",
+        "occurrence",
+        "position",
+        "record",
+        "state",
+        "plans",
+        "saved",
+        "known",
+        "keys",
+        "inputs",
+        "rng",
+        "free",
+        "whole",
+        "views",
+        "__weakref__",
+    )
+
+    def __init__(self, budget: Run, site: Hashable, occurrence: int, position: int, record: BlockRecord,
+                 state: Any, plans: list[Plan]) -> None:  # fmt: skip
+        self.budget = weakref.ref(budget)
+        self.site = site
+        self.occurrence = occurrence
+        self.position = position  # its place among the step's blocks
+        self.record = weakref.ref(record)
+        self.state = weakref.ref(state)  # the block's ReplayState: is it needed still (M2)?
+        self.plans = plans  # those still consistent with what was recorded (M3)
+        # (op, output) of each saved block tensor -> (its storage group's root (op,
+        # output), the storage's bytes)
+        self.saved: dict[Place, tuple[Place, int] | None] = {}
+        self.free: dict[Place, int] = {}  # groups another block keeps anyway -> that storage
+        self.known = False  # closed with a structure that had a plan
+        self.keys: tuple[Hashable, ...] | None = None  # set when closed cleanly
+        self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
+        self.rng: frozenset[int] = frozenset()  # of them, generator states
+        self.whole = False  # its record was dropped at close (N4 in ``_budget.step``)
+        self.views: set[int] = set()  # storages of outside tensors saved as views (kept by autograd too)
+
+    def needed(self) -> bool:
+        """Whether backward may still need this block (M2)."""
+        if self.whole:
+            return False
+        state = self.state()
+        return state is not None and bool(state.pending_backward())
+
+    def _check(self, ops: list[Any], place: Place, var: Var) -> None:
+        """Keep the plans whose signature has the decided op and output as recorded (M3)."""
+        self.plans = [p for p in self.plans if _agrees(p, ops[place[0]], place, var)]
+
+    def __call__(self, var: Var, t: Tensor) -> Any:
+        """Whether the pack hook keeps ``t`` (``var``'s tensor or a view of it): True, the
+        offload callable, or False (a handle)."""
+        record = self.record()
+        root = var.root
+        if record is None or isinstance(root, Input):
+            if record is not None and not self.plans:
+                where = storage_of(t)
+                if where is not None:
+                    self.views.add(where[0])  # measuring: autograd keeps this input too (N2)
+            return False
+        ops = record.ops
+        rec = ops[var.op]
+        place = (var.op, rec.outs.index(var))
+        if self.plans and not _agrees(self.plans[0], rec, place, var):
+            self._check(ops, place, var)
+        if type(t) is not Tensor or root.size is None:
+            self.saved[place] = None  # no storage we can see: never stored
+            return False
+        # Storages are told apart by their group's root, not by address: an address
+        # is reused as soon as an earlier tensor of the block is freed.
+        group = (root.op, ops[root.op].outs.index(root))
+        self.saved[place] = (group, int(root.size.numel()) * root.dtype.itemsize)
+        if self.plans:
+            plan = self.plans[0]
+            if place in plan.chosen:
+                return True
+            # (a bound method made per call: kept on self it would be a reference cycle)
+            return self._offload if place in plan.offloaded else False
+        budget = self.budget()
+        where = storage_of(t)
+        if budget is not None and where is not None:  # measuring: is it kept anyway (K2)?
+            budget._storages[where[0]] = (StorageWeakRef(t.untyped_storage()), self, group)
+        return False
+
+    def _offload(self, entry: Any, t: Tensor) -> Any:
+        """The offload callable (``_save.pack`` S4): the engine's packed tensor, or None."""
+        budget = self.budget()
+        engine = budget._engine if budget is not None else None
+        if engine is None:
+            return None
+        var: Var = entry
+        rec = var.frame.owner.record if var.frame.owner is not None else None
+        place = (var.op, rec.ops[var.op].outs.index(var)) if rec is not None else (var.op, 0)
+        return engine.pack(t, (self.site, self.occurrence, place))
+
+    def close(self, aborted: bool) -> None:
+        """The block closed: keep the plan that matches it whole, or measure it (M3)."""
+        record = self.record()
+        budget = self.budget()
+        if record is None or budget is None or aborted:
+            self.plans = []
+            return
+        key: Any = signature(record)[0]  # computed once: replay reads it too
+        self.plans = [p for p in self.plans if p.keys == key]
+        self.known = bool(self.plans)
+        self.keys = key
+        if self.known:  # planned: nothing to measure (the per-step cost stays small)
+            self._apply(self.plans[0], record, budget)
+            return
+        self.inputs = input_storages(record)
+        kept = kept_inputs(record)
+        self.rng = frozenset(p for p in self.inputs if p not in kept)
+        budget.kept_for_replay(self)
+        budget.measured(self, record)
+
+    def _apply(self, plan: Plan, record: BlockRecord, budget: Run) -> None:
+        """What the plan does when the block closes: note and offload kept inputs (N3),
+        drop the record of a block that keeps everything (N4)."""
+        if plan.hold:
+            kept = list(kept_inputs(record).items())
+            for j in sorted(plan.hold):
+                if j < len(kept):
+                    ptr, inputs = kept[j]
+                    key = (self.site, self.occurrence, "input", j)
+                    budget.hold(ptr, [i.tensor for i in inputs], key, j in plan.evict)
+        if plan.whole and budget.region_open():
+            state = self.state()
+            if state is not None and state.release_all_kept():
+                self.whole = True

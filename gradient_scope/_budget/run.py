@@ -1,0 +1,247 @@
+"""A budget at run time: its steps, blocks and regions, its cached plans, its offload
+engine (M1..M7 in ``_budget.budget``; ``Budget`` is the public face of a :class:`Run`)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .._base.feedback import warn_user
+from .._record.types import BlockRecord
+from .._save import interception as _interception
+from .._save import pack as _pack
+from .block import BlockPlan, Plan
+from .curve import fmt_bytes
+from .measure import Measured, costs, measure
+from .offload import Offloader, evict
+from .planner import BlockGraph
+from .rates import rates_for
+from .region import Region, RegionPlan, tensors_in
+from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
+from .streams import offloadable
+
+__all__ = ["Run"]
+
+Tensor = torch.Tensor
+Place = tuple[int, int]
+_Seen = tuple[dict[Place, int], dict[int, int], frozenset[int], set[int]]  # free, inputs, rng, views
+
+
+def where(site: Hashable) -> str:
+    """A site (``_base.errors.Site``: file, line, what) in a few words: what the helper
+    named (a module path), else ``file.py:line``."""
+    if isinstance(site, tuple) and len(site) == 3:
+        file, line, what = site
+        return str(what) if what is not None else f"{str(file).rsplit('/', 1)[-1]}:{line}"
+    return str(site)
+
+
+class Run:
+    """The run-time state of one budget of ``nbytes`` device bytes (``host``: bytes it
+    may offload, None: off)."""
+
+    def __init__(self, nbytes: int, host: float | None) -> None:
+        self.bytes = nbytes
+        self.host = host
+        self._engine: Offloader | None = None
+        if host is not None:
+            self._engine = Offloader(None if host == float("inf") else int(host))
+        self.plans: dict[tuple[Hashable, int], list[Plan]] = {}
+        self.region_plans: dict[int, RegionPlan] = {}
+        self.graphs: dict[tuple[Hashable, Any], tuple[BlockGraph, Measured]] = {}
+        self.step: list[BlockPlan] = []
+        self.regions: list[Region] = []
+        self.open_regions: list[Region] = []
+        # This step's saved block storages (address -> weak ref, block, group): an
+        # address names a storage only while it is alive.
+        self._storages: dict[int, tuple[StorageWeakRef, BlockPlan, Place]] = {}
+        self.occurrences: dict[Hashable, int] = {}
+        self.saves_seen = 0
+        self.pending: dict[int, tuple[list[Tensor], Hashable]] = {}  # kept inputs to offload (N3)
+        self.to_evict: list[int] = []
+        self.warned: set[str] = set()
+        # (site, occurrence, structure) -> (free groups, inputs, rng) last measured
+        self.seen: dict[tuple[Hashable, int, Any], _Seen] = {}
+        self.result: StepPlan | None = None
+
+    # -- steps (M2)
+
+    def settle(self) -> None:
+        if (self.step or self.regions) and not self.open_regions and not any(bp.needed() for bp in self.step):
+            self.end_step()
+
+    def _starting(self) -> None:
+        self.settle()
+        if not self.step and not self.regions and self._engine is not None:
+            self._engine.new_step()
+
+    def open_block(self, site: Hashable, record: BlockRecord, state: Any) -> BlockPlan:
+        """The decision for a block entered at ``site`` (M1..M3)."""
+        self._starting()
+        self.try_evictions()
+        n = self.occurrences.get(site, 0)
+        self.occurrences[site] = n + 1
+        bp = BlockPlan(self, site, n, len(self.step), record, state, list(self.plans.get((site, n), ())))
+        self.step.append(bp)
+        return bp
+
+    def open_region(self, module: torch.nn.Module, inputs: Any) -> Region:
+        """A forward of the model starts (M6): our pair goes on top, the region observes."""
+        self._starting()
+        occurrence = len(self.regions)
+        region = Region(self, occurrence, module, inputs, self.region_plans.get(occurrence))
+        self.regions.append(region)
+        self.open_regions.append(region)
+        _interception.ensure_on_top(_interception.next_serial())
+        _pack.open_region(region)
+        return region
+
+    def close_region(self, region: Region, output: Any) -> None:
+        """The forward ends (also when it raised): the observer leaves; copies back start
+        when backward reaches the output."""
+        _pack.close_region(region)
+        if region in self.open_regions:
+            self.open_regions.remove(region)
+        self.try_evictions()
+        if not self.open_regions:  # what could not be offloaded by the end of forward stays
+            self.pending, self.to_evict = {}, []
+        _interception.sweep()
+        engine = self._engine
+        if engine is None or output is None:
+            return
+        ref = weakref.ref(engine)
+
+        def started(_: Tensor) -> None:
+            e = ref()
+            if e is not None:
+                e.start_backward()
+
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(started)
+
+    def region_open(self) -> bool:
+        return bool(self.open_regions)
+
+    def position(self) -> int:
+        """Where a save outside the scopes falls among the step's blocks (N5 order)."""
+        self.saves_seen += 1
+        return 2 * len(self.step) * _SPAN + self.saves_seen
+
+    # -- kept inputs offloaded in place (N3)
+
+    def hold(self, ptr: int, aliases: list[Tensor], key: Hashable, evict: bool) -> None:
+        known = self.pending.get(ptr)
+        self.pending[ptr] = ((known[0] if known else []) + aliases, key)
+        if evict:
+            self.to_evict.append(ptr)
+        self.try_evictions()
+
+    def try_evictions(self) -> None:
+        engine = self._engine
+        if engine is None or not self.to_evict:
+            return
+        left = []
+        for ptr in self.to_evict:
+            aliases, key = self.pending[ptr]
+            if evict(engine, aliases, key):
+                del self.pending[ptr]  # (the aliases are the records' to hold)
+            else:
+                left.append(ptr)  # still held elsewhere (the caller's variable): later
+        self.to_evict = left
+        if not self.open_regions and not left:
+            self.pending = {}
+
+    # -- measuring (M3, M4)
+
+    def kept_for_replay(self, bp: BlockPlan) -> None:
+        """``bp`` closed keeping ``bp.inputs`` for replay: saved storages of earlier
+        blocks among them are in memory anyway (storing them is free, K2)."""
+        for ptr in bp.inputs:
+            seen = self._storages.get(ptr)
+            if seen is not None and seen[1] is not bp and not seen[0].expired():
+                seen[1].free[seen[2]] = ptr
+
+    def measured(self, bp: BlockPlan, record: BlockRecord) -> None:
+        key = (bp.site, bp.keys)
+        if key not in self.graphs:
+            m = measure(record)
+            g = BlockGraph(where(bp.site), costs(m, rates_for(m.device)), tuple(m.reads), tuple(m.producers),
+                           tuple(m.cuttable), tuple(m.needs), ())  # fmt: skip
+            self.graphs[key] = (g, m)
+
+    def end_step(self) -> None:
+        blocks = [bp for bp in self.step if bp.keys is not None]
+        regions = self.regions
+        self.step, self.regions, self._storages, self.occurrences = [], [], {}, {}
+        self.saves_seen = 0
+        self.pending, self.to_evict = {}, []
+        if all(bp.known for bp in blocks) and all(r.matches() for r in regions):
+            return
+        for bp in blocks:
+            key = (bp.site, bp.occurrence, bp.keys)
+            if bp.known and key in self.seen:
+                # Planned in this step, so not measured: what its last measured step saw
+                # (addresses of then, negated: they never match now's).
+                free, inputs, rng, views = self.seen[key]
+                bp.free = {g: -1 - p for g, p in free.items()}
+                bp.inputs = {-1 - p: n for p, n in inputs.items()}
+                bp.rng = frozenset(-1 - p for p in rng)
+                bp.views = {-1 - p for p in views}
+            else:
+                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
+        _plan(self, blocks, regions)
+
+    def warn_once(self, what: str, message: str) -> None:
+        """Warn once per budget, at the user's line."""
+        if what not in self.warned:
+            self.warned.add(what)
+            warn_user(message)
+
+
+def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
+    """M4: plan every block and region of a finished step."""
+    seen = []
+    for bp in blocks:
+        g, m = self.graphs[(bp.site, bp.keys)]
+        label = f"{where(bp.site)}#{bp.occurrence}"
+        index = {place: v for v, place in enumerate(m.places)}
+        graph = BlockGraph(label, g.costs, g.reads, g.producers, g.cuttable, g.needs,
+                           tuple(index[p] for p in bp.saved if p in index))  # fmt: skip
+        seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views)))
+    saves: list[SaveSeen] = [s for r in regions for s in r.saves]
+    exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
+    device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")
+    host = self.host
+    if host is not None and not offloadable(device):
+        host = None
+        self.warn_once(
+            "cpu",
+            f"gradient_scope: Budget(offload=...) changes nothing here: the tensors are on the {device.type}, "
+            "which has no host memory to offload to. The budget keeps or recomputes.",
+        )
+    params = [pn for r in regions for pn in r.params.values()]
+    plan = plan_step(seen, saves, exclude, self.bytes, host, rates_for(device), bool(regions), params)
+    for bp, choice in zip(blocks, plan.blocks):
+        key = (bp.site, bp.occurrence)
+        kept = [p for p in self.plans.get(key, []) if p.keys != bp.keys]
+        new = Plan(bp.keys, choice.chosen, choice.offloaded, choice.hold, choice.evict, choice.whole)  # type: ignore[arg-type]
+        self.plans[key] = [*kept, new]
+    for r in regions:
+        self.region_plans[r.occurrence] = RegionPlan(tuple(r.keys), plan.regions.get(r.occurrence, frozenset()))
+    self.result = plan
+    if self._engine is not None and plan.host:
+        self._engine.expect(plan.host)
+    if plan.below:
+        self.warn_once(
+            "floor",
+            f"gradient_scope: Budget({fmt_bytes(self.bytes)}) is below the floor of these scopes, "
+            f"{fmt_bytes(plan.floor)} ({plan.floor} bytes): what neither recompute nor offload can move "
+            "(the outside tensors the blocks read, and what the code outside the scopes saves). Only what is "
+            "in memory anyway is kept; memory stays at the floor. Raise the budget to at least the floor to "
+            "make it bind.",
+        )
