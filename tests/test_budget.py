@@ -7,6 +7,7 @@ bytes held after forward and peak, relative to the start of forward).
 
 import copy
 import gc
+import linecache
 import os
 import socket
 import subprocess
@@ -282,6 +283,90 @@ def test_budget_bad_values():
         apply_recompute(make_model(1), check_fn=Block, budget="lots")
     with pytest.raises(RuntimeError, match="no step has been measured"):
         Budget(10).curve()
+
+
+def test_budget_sizes_beyond_any_memory_raise_value_error():
+    for value in ("9" * 400, "9" * 400 + "GiB", "1" + "0" * 30 + "TiB", 2**63, 10**400):
+        with pytest.raises(ValueError, match="more bytes than any memory holds"):
+            Budget(value)
+    assert Budget(2**63 - 1).bytes == 2**63 - 1
+    assert Budget("0.5B").bytes == 0 and Budget("1.5B").bytes == 2  # exact, rounded half to even
+
+
+def test_numpy_integers_are_budgets():
+    np = pytest.importorskip("numpy")
+    for value in (np.int64(40_000), np.int32(40_000), np.uint64(40_000)):
+        assert Budget(value).bytes == 40_000
+    model = make_model(1)
+    apply_recompute(model, check_fn=Block, budget=np.int64(10**9))
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+    for bad in (np.bool_(True), np.float64(1e6), torch.tensor(1000)):
+        with pytest.raises(TypeError, match="int number of bytes"):
+            Budget(bad)
+
+
+def _floor_warning(run):
+    """Run two steps of ``run`` under budget 0; the one below-the-floor warning's line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            run()
+    found = [w for w in caught if "below the floor" in str(w.message)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    return found[0].filename, linecache.getline(found[0].filename, found[0].lineno)
+
+
+@pytest.mark.parametrize("path", ["with", "decorator", "checkpoint", "apply_recompute", "transformers"])
+def test_below_the_floor_warning_points_at_the_users_line(path):
+    torch.manual_seed(0)
+    budget = Budget(0)
+    layer = Block(16)
+    x = torch.randn(2, 4, 16, requires_grad=True)
+
+    @gradient_scope.recompute(budget=budget)
+    def decorated(h):
+        return layer(h)
+
+    if path == "with":
+
+        def run():
+            with recompute_scope(budget=budget):  # <- user line
+                h = layer(x)
+            h.sum().backward()
+
+    elif path == "decorator":
+
+        def run():
+            decorated(x).sum().backward()  # <- user line
+
+    elif path == "checkpoint":
+
+        def run():
+            gradient_scope.checkpoint(layer, x, use_reentrant=False, budget=budget).sum().backward()  # <- user line
+
+    elif path == "apply_recompute":
+        model = nn.Sequential(Block(16), Block(16))
+        apply_recompute(model, check_fn=Block, budget=budget)
+
+        def run():
+            model(x).sum().backward()  # <- user line
+
+    else:
+        gs_hf = pytest.importorskip("gradient_scope.integrations.transformers")
+        from _hf_models import SEQ, VOCAB
+        from _hf_models import make_model as make_hf
+
+        hf = make_hf("llama", layers=2, seed=0)
+        gs_hf.enable(hf, budget=budget)
+        ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+        def run():
+            hf(input_ids=ids, labels=ids).loss.backward()  # <- user line
+
+    filename, line = _floor_warning(run)
+    assert filename == __file__ and "# <- user line" in line, (filename, line)
 
 
 def test_curve_plot_writes_a_png(tmp_path, plain):

@@ -8,7 +8,6 @@ import itertools
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar, overload
 
@@ -16,7 +15,7 @@ import torch
 
 from .._base import torch_compat as _torch_compat
 from .._base.errors import Site, check_bool, where
-from .._base.feedback import unknown_options, warn_once
+from .._base.feedback import unknown_options, warn_once, warn_user
 from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
@@ -221,10 +220,18 @@ class recompute_scope:
                 "recompute_scope() for each block (a decorated function does this per call)."
             )
         self._active = True
+        try:
+            self._open()
+        except BaseException:
+            self._undo_open()  # the object can be entered again once the cause is fixed
+            raise
+        return self
+
+    def _open(self) -> None:
         opts = self._options
         if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
             self._block = None  # records nothing: a plain block
-            return self
+            return
         # Entered eagerly while dynamo compiles the frames this thread enters: the
         # frame with the block fell back to eager (a graph break in a compiled
         # scope). Frames called from the open block run eagerly too, so that their
@@ -233,13 +240,7 @@ class recompute_scope:
         self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         site = self._site if self._site is not None else _caller_site()
         serial = next(_serials)
-        try:
-            _interception.ensure_on_top(serial)
-        except BaseException:
-            self._active = False
-            _torch_compat.resume_dynamo_compile(self._dynamo_callback[1])
-            self._dynamo_callback = (0, None)
-            raise
+        _interception.ensure_on_top(serial)
         outer = _recorder.innermost()
         budget = opts.get("budget")
         record = state = None
@@ -259,9 +260,29 @@ class recompute_scope:
             self._block, self._nested = outer, True
         else:
             self._block, self._nested = _recorder.open_block(record, state, frame), False  # type: ignore[arg-type]
-        rng = self._range = profiler_range("gradient_scope.record")
+        rng = profiler_range("gradient_scope.record")
         rng.__enter__()
-        return self
+        self._range = rng
+
+    def _undo_open(self) -> None:
+        """Put everything back after ``_open`` raised (nothing of this scope stays open)."""
+        self._active = False
+        block, self._block, self._frame = self._block, None, None
+        plan, self._budget_block = self._budget_block, None
+        try:
+            if block is not None:
+                if self._nested:
+                    block.pop(True)
+                else:
+                    _recorder.close_block(block, True)
+            if plan is not None:
+                plan.close(True)
+        finally:
+            thread, callback = self._dynamo_callback
+            self._dynamo_callback = (0, None)
+            if thread == threading.get_ident():
+                _torch_compat.resume_dynamo_compile(callback)
+            _interception.sweep()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._active:
@@ -372,12 +393,10 @@ def _check_matched(frame: Frame, recorded: int, aborted: bool) -> None:
 def _warn_budget_nested() -> None:
     if "nested" not in _warned:
         _warned.add("nested")
-        warnings.warn(
+        warn_user(
             "gradient_scope: a recompute_scope with budget= nested in another scope records into "
             "the outer block, which follows its own options: the budget is not applied there. "
-            "Give budget= to the outermost scopes.",
-            UserWarning,
-            stacklevel=3,
+            "Give budget= to the outermost scopes."
         )
 
 

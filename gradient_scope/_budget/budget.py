@@ -30,16 +30,18 @@ M5. A budget below the floor warns once, naming the floor, and stores only what
 
 from __future__ import annotations
 
+import operator
 import os
 import re
-import warnings
 import weakref
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from fractions import Fraction
+from typing import Any, NamedTuple, SupportsIndex
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._base.feedback import warn_user
 from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
 from .measure import Measured, input_storages, measure, storage_of
@@ -64,33 +66,57 @@ _UNITS = {
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
 
+#: The largest budget: no memory holds more bytes than a signed 64-bit count.
+MAX_BYTES = 2**63 - 1
+
+
 def parse_bytes(value: Any) -> int:
     """A number of bytes from an int or a string such as ``"1.5GiB"`` or ``"800MB"``.
 
     Units: B, kB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case.
+    Integers of other types (``numpy.int64``, anything with ``__index__`` but a
+    tensor) count as ints; bools and floats do not.
 
     Example::
 
         >>> parse_bytes("1.5GiB"), parse_bytes("800MB"), parse_bytes(4096)
         (1610612736, 800000000, 4096)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(
-            f"budget must be an int number of bytes or a string such as '1.5GiB' or '800MB', "
-            f"got {type(value).__name__} ({value!r})"
-        )
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"budget must be >= 0 bytes, got {value}")
-        return value
-    m = _SIZE.fullmatch(value)
-    unit = m.group(2).lower() if m is not None else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"budget {value!r} is not a size: write a number and a unit, e.g. '2GiB', '1.5GB', "
-            "'800MB', '512MiB' or '1000000' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    return round(float(m.group(1)) * _UNITS[unit])
+    n = _as_int(value)
+    if n is None:
+        if not isinstance(value, str):
+            raise TypeError(
+                "budget must be an int number of bytes or a string such as '1.5GiB' or '800MB', "
+                f"got {type(value).__name__} ({value!r})"
+            )
+        m = _SIZE.fullmatch(value)
+        unit = m.group(2).lower() if m is not None else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"budget {value!r} is not a size: write a number and a unit, e.g. '2GiB', '1.5GB', "
+                "'800MB', '512MiB' or '1000000' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        n = round(Fraction(m.group(1)) * _UNITS[unit])  # exact: no float overflow or rounding
+    if n < 0:
+        raise ValueError(f"budget must be >= 0 bytes, got {value!r}")
+    if n > MAX_BYTES:
+        text = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(str(value))} characters)"
+        raise ValueError(f"budget {text} is more bytes than any memory holds: the largest is 2**63 - 1")
+    return n
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (an int, ``numpy.int64``, anything with
+    ``__index__``), else None. Not a bool (``True`` is no size), nor a tensor (reading
+    one would synchronise with its device)."""
+    if isinstance(value, (bool, str, torch.Tensor)) or type(value).__name__ in ("bool", "bool_"):
+        return None
+    if not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class StoredOp(NamedTuple):
@@ -287,8 +313,8 @@ class _BlockPlan:
 class Budget:
     """A memory budget shared by scopes: how many bytes their blocks may keep for backward.
 
-    ``budget`` is an int number of bytes or a string such as ``"1.5GiB"`` or
-    ``"800MB"``. The budget bounds what the scopes given this object keep for
+    ``budget`` is an int number of bytes (``numpy.int64`` too) or a string such as
+    ``"1.5GiB"`` or ``"800MB"``. The budget bounds what the scopes given this object keep for
     backward after forward: the block tensors they store plus the outside tensors
     they keep for replay (each storage once; parameters, and leaves that require
     grad, are alive anyway and not counted). Gradients are those of the plain
@@ -319,7 +345,7 @@ class Budget:
         ...
     """
 
-    def __init__(self, budget: int | str) -> None:
+    def __init__(self, budget: int | str | SupportsIndex) -> None:
         self.bytes = parse_bytes(budget)
         self._plans: dict[tuple[Hashable, int], list[_Plan]] = {}
         self._graphs: dict[tuple[Hashable, tuple[Hashable, ...]], tuple[BlockGraph, Measured]] = {}
@@ -458,13 +484,11 @@ class Budget:
         k, below = choose(chain, floor, self.bytes)
         if below and not self._warned:
             self._warned = True
-            warnings.warn(
+            warn_user(
                 f"gradient_scope: Budget({_fmt(self.bytes)}) is below the floor of these scopes, "
                 f"{_fmt(floor)} ({floor} bytes): what recomputing everything keeps (the outside "
                 "tensors the blocks read). Only what is in memory anyway is stored; memory stays "
-                "at the floor. Raise the budget to at least the floor to make it bind.",
-                UserWarning,
-                stacklevel=4,
+                "at the floor. Raise the budget to at least the floor to make it bind."
             )
         chosen: list[set[tuple[int, int]]] = [set() for _ in blocks]
         stored: list[StoredOp] = []
