@@ -1,14 +1,16 @@
 """``Budget``: say how much memory the scoped blocks may hold; the library picks what to store.
 
-RULES M1..M5: how a budget runs.
+RULES M1..M6: how a budget runs.
 
 M1. A scope with a budget gives its block a :class:`_BlockPlan`, the frame's
     ``store`` decision: the pack hook asks it, for each saved block tensor, whether
     to store the tensor (True) or make a recompute handle. It never changes what is
     computed, only what is kept: gradients are those of the plain program.
 M2. Steps: blocks entered while an earlier block of the budget may still be needed
-    by backward (it has pending handles or stored tensors) belong to the same step; a
-    block entered when none is needed starts a new step. Within a step, a block is
+    by backward (it has pending handles or stored tensors, and no backward pass that
+    built no graph has used it yet: ``_restore.handles`` P10) belong to the same step;
+    a block entered when none is needed starts a new step. So a step ends with its
+    backward also where the graph is retained (``backward(retain_graph=True)``). Within a step, a block is
     named by its site (where its scope was entered) and occurrence (how many blocks
     of that site came before it in the step).
 M3. A block whose structure (its signature, ``_record.signature``: the key replay
@@ -26,6 +28,11 @@ M4. When a step ends (M2) that had a measured block, the planner
     unplanned once and its plan is kept next to the others.
 M5. A budget below the floor warns once, naming the floor, and stores only what
     costs no bytes (``_budget.planner`` K5).
+M6. The figures a budget shows (floor, planned bytes, predicted recompute, stored
+    ops, curve) are those of the plan of the structure of the last step that ended:
+    each step structure planned keeps its own, so a step that returns to an earlier
+    structure (an earlier sequence length) shows that structure's again. A step whose
+    blocks all have plans but in a combination not planned yet is planned.
 """
 
 from __future__ import annotations
@@ -209,6 +216,16 @@ def _candidates(bp: _BlockPlan, b: int, index: dict[tuple[int, int], int]) -> li
     return [Candidate(b, tuple(vals), 0 if group in bp.free else sizes[group]) for group, vals in groups.items()]
 
 
+class _Figures(NamedTuple):
+    """What a step structure's plan keeps and leaves (M6)."""
+
+    floor: int
+    planned: int
+    predicted: float
+    stored: tuple[StoredOp, ...]
+    curve: tuple[tuple[int, float], ...]
+
+
 class _Plan(NamedTuple):
     keys: tuple[Hashable, ...]  # the signature of the structure it was made for (an entry per op first)
     chosen: frozenset[tuple[int, int]]  # (op, output) of the values to store
@@ -258,9 +275,9 @@ class _BlockPlan:
         self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
 
     def needed(self) -> bool:
-        """Whether backward may still need this block (M2)."""
+        """Whether a backward pass is still to use this block (M2)."""
         state = self.state()
-        return state is not None and bool(state.pending_backward())
+        return state is not None and bool(state.awaited())
 
     def _check(self, ops: list[Any], place: tuple[int, int], var: Var) -> None:
         """Keep the plans whose signature has the decided op and output as recorded (M3)."""
@@ -357,11 +374,10 @@ class Budget:
         self._warned = False
         # (site, occurrence, structure) -> (free groups, input storages) last measured
         self._seen: dict[tuple[Hashable, int, Any], tuple[frozenset[tuple[int, int]], dict[int, int]]] = {}
-        self._floor: int | None = None
-        self._planned: int | None = None
-        self._predicted: float | None = None
-        self._stored: list[StoredOp] = []
-        self._curve: list[tuple[int, float]] = []
+        # The figures of the plan of the structure running now (M6), and those of every
+        # step structure planned: (site, occurrence, signature) of each block -> figures.
+        self._now: _Figures | None = None
+        self._figures: dict[tuple[Any, ...], _Figures] = {}
 
     def __repr__(self) -> str:
         return f"Budget({_fmt(self.bytes)!r})"
@@ -372,40 +388,46 @@ class Budget:
 
     # -- what the plan is
 
+    def _current(self) -> _Figures | None:
+        self._settle()
+        return self._now
+
     @property
     def floor_bytes(self) -> int | None:
-        """Bytes kept when nothing is stored (the outside tensors kept for replay);
-        None until a step has been measured and planned."""
-        self._settle()
-        return self._floor
+        """Bytes kept when nothing is stored (the outside tensors kept for replay), for
+        the structure of the last step; None until a step has been measured and planned."""
+        now = self._current()
+        return None if now is None else now.floor
 
     @property
     def planned_bytes(self) -> int | None:
-        """Bytes the current plan keeps (floor + stored), as measured; None before a plan."""
-        self._settle()
-        return self._planned
+        """Bytes the plan of the last step's structure keeps (floor + stored), as
+        measured; None before a plan."""
+        now = self._current()
+        return None if now is None else now.planned
 
     @property
     def predicted_recompute(self) -> float | None:
-        """Recompute the plan leaves, in cost units (FLOPs for matmul-like ops, bytes
-        moved for the rest); None before a plan."""
-        self._settle()
-        return self._predicted
+        """Recompute the plan of the last step's structure leaves, in cost units (FLOPs
+        for matmul-like ops, bytes moved for the rest); None before a plan."""
+        now = self._current()
+        return None if now is None else now.predicted
 
     def stored_ops(self) -> list[StoredOp]:
-        """Which outputs of which ops of which block the plan stores."""
-        self._settle()
-        return list(self._stored)
+        """Which outputs of which ops of which block the plan of the last step's
+        structure stores."""
+        now = self._current()
+        return [] if now is None else list(now.stored)
 
     def curve(self) -> BudgetCurve:
-        """Predicted recompute for every budget, from the last measured step."""
-        self._settle()
-        if self._floor is None:
+        """Predicted recompute for every budget, for the last step's structure."""
+        now = self._current()
+        if now is None:
             raise RuntimeError(
                 "Budget.curve(): no step has been measured yet. Run one forward and backward "
                 "with the scopes of this budget first."
             )
-        return BudgetCurve(list(self._curve), self.bytes, self._floor)
+        return BudgetCurve(list(now.curve), self.bytes, now.floor)
 
     # -- steps (M2)
 
@@ -450,7 +472,10 @@ class Budget:
         self._step = []
         self._storages = {}
         self._occurrences = {}
-        if any(not bp.known for bp in blocks):
+        if not blocks:
+            return
+        structure = tuple((bp.site, bp.occurrence, bp.keys) for bp in blocks)
+        if any(not bp.known for bp in blocks) or structure not in self._figures:
             for bp in blocks:
                 key = (bp.site, bp.occurrence, bp.keys)
                 if bp.known and key in self._seen:
@@ -461,9 +486,10 @@ class Budget:
                     bp.inputs = {hash((key, ptr)): n for ptr, n in inputs.items()}
                 else:
                     self._seen[key] = (frozenset(bp.free), dict(bp.inputs))
-            self._plan_step(blocks)
+            self._figures[structure] = self._plan_step(blocks)
+        self._now = self._figures[structure]  # M6
 
-    def _plan_step(self, blocks: list[_BlockPlan]) -> None:
+    def _plan_step(self, blocks: list[_BlockPlan]) -> _Figures:
         """M4: plan every block of a finished step that had a measured block."""
         floor_storages: dict[int, int] = {}
         for bp in blocks:
@@ -503,14 +529,10 @@ class Budget:
             key = (bp.site, bp.occurrence)
             kept = [p for p in self._plans.get(key, []) if p.keys != bp.keys]
             self._plans[key] = [*kept, _Plan(bp.keys, frozenset(places))]  # type: ignore[arg-type]
-        self._floor = floor
-        self._planned = floor + chain.nbytes[k]
-        self._predicted = chain.cost[k]
-        self._stored = stored
         rows: list[tuple[int, float]] = []
         for used, left in zip(chain.nbytes, chain.cost):
             if rows and rows[-1][0] == floor + used:
                 rows[-1] = (floor + used, left)
             elif not rows or left < rows[-1][1]:
                 rows.append((floor + used, left))
-        self._curve = rows
+        return _Figures(floor, floor + chain.nbytes[k], chain.cost[k], tuple(stored), tuple(rows))

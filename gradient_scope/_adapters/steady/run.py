@@ -374,13 +374,13 @@ class _Sequencer:
         elif p.kind == KEEP:
             out = store_as_usual(below, t, True)
         else:
-            out = self._block_save(p, t)
+            out = self._block_save(p, t, below)
         gens = self.tpl.observe.get(n + 1)
         if gens:
             self.states[n + 1] = {g: g.get_state() for g in gens}
         return out
 
-    def _block_save(self, p: Save, t: Tensor) -> Any:
+    def _block_save(self, p: Save, t: Tensor, below: Any) -> Any:
         var: Var = p.var  # type: ignore[assignment]
         version = p.version  # in the template's count, as its writes are (P2)
         if id(var) in self.tpl.output_ids:
@@ -389,7 +389,7 @@ class _Sequencer:
                 version = t._version
         frame = self.frame
         if frame.store is not None and frame.store(var, t):
-            return store_chosen(frame, var, t, p.view)  # S4
+            return store_chosen(frame, var, t, p.view, below, version)  # S4
         return new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)  # S1
 
     def _own(self, tv: Var, t: Tensor) -> Var:
