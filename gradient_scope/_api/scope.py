@@ -220,11 +220,20 @@ class recompute_scope:
                 "recompute_scope() for each block (a decorated function does this per call)."
             )
         self._active = True
+        # Entered eagerly while dynamo compiles the frames this thread enters: the
+        # frame with the block fell back to eager (a graph break in a compiled
+        # scope). Frames called from the open block run eagerly too, so that their
+        # ops are recorded as an eager scope's (functions the user wrapped with
+        # torch.compile still compile, R7); so does the library's own code here.
+        self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         try:
             self._open()
         except BaseException:
-            self._undo_open()  # the object can be entered again once the cause is fixed
+            _undo_open(self)  # the object can be entered again once the cause is fixed
             raise
+        if self._block is None:  # a plain block: nothing to keep eager
+            _torch_compat.resume_dynamo_compile(self._dynamo_callback[1])
+            self._dynamo_callback = (0, None)
         return self
 
     def _open(self) -> None:
@@ -232,12 +241,6 @@ class recompute_scope:
         if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
             self._block = None  # records nothing: a plain block
             return
-        # Entered eagerly while dynamo compiles the frames this thread enters: the
-        # frame with the block fell back to eager (a graph break in a compiled
-        # scope). Frames called from the open block run eagerly too, so that their
-        # ops are recorded as an eager scope's (functions the user wrapped with
-        # torch.compile still compile, R7); so does the library's own code here.
-        self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         site = self._site if self._site is not None else _caller_site()
         serial = next(_serials)
         _interception.ensure_on_top(serial)
@@ -263,26 +266,6 @@ class recompute_scope:
         rng = profiler_range("gradient_scope.record")
         rng.__enter__()
         self._range = rng
-
-    def _undo_open(self) -> None:
-        """Put everything back after ``_open`` raised (nothing of this scope stays open)."""
-        self._active = False
-        block, self._block, self._frame = self._block, None, None
-        plan, self._budget_block = self._budget_block, None
-        try:
-            if block is not None:
-                if self._nested:
-                    block.pop(True)
-                else:
-                    _recorder.close_block(block, True)
-            if plan is not None:
-                plan.close(True)
-        finally:
-            thread, callback = self._dynamo_callback
-            self._dynamo_callback = (0, None)
-            if thread == threading.get_ident():
-                _torch_compat.resume_dynamo_compile(callback)
-            _interception.sweep()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._active:
@@ -345,6 +328,27 @@ recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-de
     parameters=list(_init_signature.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
 _OPTION_NAMES = frozenset(list(_init_signature.parameters)[1:])
+
+
+def _undo_open(scope: recompute_scope) -> None:
+    """Put everything back after ``scope._open`` raised: nothing of it stays open."""
+    scope._active = False
+    block, scope._block, scope._frame = scope._block, None, None
+    plan, scope._budget_block = scope._budget_block, None
+    try:
+        if block is not None:
+            if scope._nested:
+                block.pop(True)
+            else:
+                _recorder.close_block(block, True)
+        if plan is not None:
+            plan.close(True)
+    finally:
+        thread, callback = scope._dynamo_callback
+        scope._dynamo_callback = (0, None)
+        if thread == threading.get_ident():
+            _torch_compat.resume_dynamo_compile(callback)
+        _interception.sweep()
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:

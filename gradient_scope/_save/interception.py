@@ -63,6 +63,7 @@ from .._base.torch_compat import (
     queue_engine_callback,
     saved_hooks_disabled_message,
     saved_hooks_enabled,
+    skip_dynamo,
     top_saved_hooks,
 )
 from .._record import recorder as _recorder
@@ -320,8 +321,22 @@ class _PassEnd:
         _release(self.st, self.task)
 
 
+_dynamo_told = False
+
+
+def _skip_dynamo() -> None:
+    """Tell dynamo never to trace our hooks, nor what they call (replays): a compiled
+    function's saves call them while dynamo compiles the frames it enters."""
+    global _dynamo_told
+    _dynamo_told = True
+    skip_dynamo(_Pack.__call__.__code__)
+    skip_dynamo(_unpack.__code__)
+
+
 def ensure_on_top(serial: int) -> None:
     """Make our pair the innermost one in this thread: block ``serial`` starts."""
+    if not _dynamo_told:
+        _skip_dynamo()
     if not saved_hooks_enabled():
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
