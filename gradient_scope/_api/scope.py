@@ -76,6 +76,7 @@ def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
 
 # The package's root folder: a frame in any of its rooms is the library's, not the user's.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_interception.add_unsafe_file(__file__)  # a scope's entry pushes the pair, then opens its block (I8)
 
 
 def _caller_site() -> Site:

@@ -1,7 +1,7 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-RULES I1..I7: the hook pair's invariants.
+RULES I1..I8: the hook pair's invariants.
 
 I1. While a thread has an open block or a live block tensor, exactly one pair
     of ours is on its hook stack, innermost unless a context was entered after
@@ -43,17 +43,26 @@ I7. Inside a backward pass (a checkpoint's recomputation, a custom backward)
     also when the pass raises: then the callback is dropped unrun, and
     releases as it dies). Without it, a scope whose blocks run only inside
     passes would leave the patches installed: no sweep outside a pass follows.
+I8. When the last tensor of the main thread's blocks dies in another thread (a
+    worker ran backward), the main thread removes its pair at its next bytecode
+    boundary (a pending call, ``_base.main_thread``), unless it is then inside a
+    backward pass (the wrapper of I4 sweeps when it returns) or in code that edits
+    the stack or enters a scope (then at the boundary after). Another thread's pair
+    waits for that thread's next safe point: its next scope, backward or grad call,
+    or torch.func call (I6 sweeps first).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._base.main_thread import call_in_main_thread
 from .._base.torch_compat import (
     HookPair,
     current_graph_task,
@@ -70,7 +79,7 @@ from .._record import recorder as _recorder
 from .._record import registry as _registry
 from . import pack as _pack
 
-__all__ = ["ensure_on_top", "sweep"]
+__all__ = ["ensure_on_top", "sweep", "add_unsafe_file"]
 
 
 class _Thread:
@@ -201,6 +210,7 @@ TORCH_FUNC_HINT = (
 def _explaining_refusal(inner: Callable[[str], None]) -> Callable[[str], None]:
     @functools.wraps(inner)
     def disable(message: str) -> None:
+        sweep()  # a pair that nothing needs any more (I8) leaves first
         try:
             inner(message)
         except RuntimeError as e:
@@ -370,10 +380,39 @@ def sweep() -> None:
     _release(st, -1)
 
 
+_MAIN = threading.main_thread().ident
+# Files whose code edits the stack, or runs between a push of our pair and the opening
+# of its block (a scope's entry): I8 waits until the main thread is out of them.
+_unsafe_files = {__file__}
+
+
+def add_unsafe_file(path: str) -> None:
+    """Tell I8 that code in ``path`` may run between a push of our pair and the opening
+    of its block (a scope's entry)."""
+    _unsafe_files.add(path)
+
+
 def _on_empty(lg: _registry.Ledger) -> None:
-    # Called where the last tensor died: any thread, any point (I4).
+    # Called where the last tensor died: any thread, any point (I4). Died in another
+    # thread than the ledger's: the main thread sweeps at its next bytecode boundary (I8).
     if lg.ident == threading.get_ident():
         sweep()
+    elif lg.ident == _MAIN:
+        call_in_main_thread(_sweep_main)
+
+
+def _sweep_main() -> None:
+    """I8: in the main thread, between two of its bytecodes."""
+    st: _Thread | None = getattr(_tls, "st", None)
+    if st is None or not st.outside or current_graph_task() != -1 or _needed():
+        return  # nothing to do, or later: a backward's end sweeps, a block's last tensor calls again
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_code.co_filename not in _unsafe_files:
+        f = f.f_back
+    if f is not None or st.busy:  # editing the stack, or entering a scope: at the next boundary
+        call_in_main_thread(_sweep_main)
+        return
+    sweep()
 
 
 _registry.add_empty_listener(_on_empty)
