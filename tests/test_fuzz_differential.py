@@ -36,6 +36,14 @@ state after backward.  After each run no saved-tensor hooks, dispatch modes or p
 functions are left.  A program whose plain run raises (e.g. PyTorch's own in-place
 check) is rejected, not compared.
 
+Budgets (``check_budget_program``): random programs run plain, with scopes, and with
+scopes sharing one random Budget for three steps (plans apply from the second), with
+versioned writes to saved block tensors after the block, ``.data`` swaps, a graph retained
+into the next step, and backward in another thread that drops the block tensors. With a
+budget each step must give what the program gives without one -- or, where that raises,
+what plain gives -- and, once a budgeted block ran, a plan must exist (steps end).
+Size: GS_DIFF_BUDGET_EXAMPLES examples (default 40).
+
 Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 200; derandomized
 (the same examples every run) unless GS_DIFF_RANDOM=1; no shrinking unless
 GS_DIFF_SHRINK=1.  Long run, e.g.
