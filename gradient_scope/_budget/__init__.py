@@ -5,7 +5,7 @@
 - ``planner`` -- the store-or-recompute choice, a pure greedy, closure-aware planner on
   plain data (RULES K1..K5: what a budget's plan stores).
 - ``budget`` -- ``Budget``: per block the store decision the frame carries, steps, plans
-  cached by structure, the curve (RULES M1..M5: how a budget runs).
+  cached by structure, the curve (RULES M1..M6: how a budget runs).
 
 Above the core: it reads records and hands the pack hook a callback (``Frame.store``);
 the core never imports it.
