@@ -233,8 +233,7 @@ class recompute_scope:
             _undo_open(self)  # the object can be entered again once the cause is fixed
             raise
         if self._block is None:  # a plain block: nothing to keep eager
-            _torch_compat.resume_dynamo_compile(self._dynamo_callback[1])
-            self._dynamo_callback = (0, None)
+            _resume_dynamo(self)
         return self
 
     def _open(self) -> None:
@@ -280,10 +279,7 @@ class recompute_scope:
         finally:
             # Dynamo compiles called frames again only now: the library's own code
             # above must not be traced (another thread: _close raised).
-            thread, callback = self._dynamo_callback
-            self._dynamo_callback = (0, None)
-            if thread == threading.get_ident():
-                _torch_compat.resume_dynamo_compile(callback)
+            _resume_dynamo(self)
 
     def _close(self, block: OpenBlock, exc_type: Any) -> None:
         if (
@@ -345,11 +341,17 @@ def _undo_open(scope: recompute_scope) -> None:
         if plan is not None:
             plan.close(True)
     finally:
-        thread, callback = scope._dynamo_callback
-        scope._dynamo_callback = (0, None)
-        if thread == threading.get_ident():
-            _torch_compat.resume_dynamo_compile(callback)
+        _resume_dynamo(scope)
         _interception.sweep()
+
+
+def _resume_dynamo(scope: recompute_scope) -> None:
+    """Undo the suspension of dynamo's compiling that ``scope``'s entry made (in another
+    thread than the entry's: nothing)."""
+    thread, callback = scope._dynamo_callback
+    scope._dynamo_callback = (0, None)
+    if thread == threading.get_ident():
+        _torch_compat.resume_dynamo_compile(callback)
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:
