@@ -8,6 +8,7 @@ bytes held after forward and peak, relative to the start of forward).
 import contextlib
 import copy
 import gc
+import linecache
 import os
 import socket
 import subprocess
@@ -210,6 +211,226 @@ def test_fully_stored_blocks_free_what_they_read_after_backward_without_gc():
     assert budget.stored_ops()
 
 
+# --------------------------------------------------------------------------------------
+# a plan changes what is stored, never what is computed nor how the program behaves
+
+
+def outcome(fn):
+    """``fn()``'s gradients, or the type and first line of what it raised."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        return (type(e).__name__, str(e).splitlines()[0][:60])
+
+
+def same_outcome(a, b):
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return a == b
+    return same(a, b)
+
+
+def three_ways(program, steps=3, budget=10**12, plain=True):
+    """``program(scope)`` run plain (a null context), with scopes without a budget and
+    with scopes sharing one budget, ``steps`` times each: each step's outcome must be the
+    same three ways (the budget plans from step 2 on; ``plain=False``: the scoped ways
+    only). Returns the budget and the outcomes."""
+    import contextlib
+
+    b = Budget(budget)
+    runs = {
+        "plain": lambda: contextlib.nullcontext(),
+        "scope": lambda: recompute_scope(),
+        "budget": lambda: recompute_scope(budget=b),
+    }
+    results = {k: [outcome(lambda: program(scope)) for _ in range(steps)] for k, scope in runs.items()}
+    for i in range(steps):
+        if plain:
+            assert same_outcome(results["plain"][i], results["scope"][i]), (i, results["plain"][i], results["scope"][i])
+        assert same_outcome(results["scope"][i], results["budget"][i]), (i, results["scope"][i], results["budget"][i])
+    assert b.stored_ops(), "the plan stores nothing: the test tests nothing"
+    return b, results
+
+
+def _leaves(n=3, shape=(4, 4)):
+    torch.manual_seed(0)
+    return [torch.randn(*shape, requires_grad=True) for _ in range(n)]
+
+
+@pytest.mark.parametrize("saved_by", ["mul", "matmul", "view"])
+def test_data_assigned_after_a_later_op_saved_a_block_tensor_is_seen_as_without_a_budget(saved_by):
+    """``x.data = ...`` on a block tensor after an op outside the block saved it: autograd
+    keeps a saved input itself and sees the new data; so does a stored one."""
+
+    def program(scope):
+        a, c, _ = _leaves()
+        with scope():
+            x = a.sin() * 2
+        if saved_by == "mul":
+            y = x * c
+        elif saved_by == "matmul":
+            y = x @ c
+        else:  # a view is saved: autograd keeps the view, which keeps the old data
+            y = x.t() * c
+        x.data = torch.full_like(x, 7.0)
+        y.sum().backward()
+        return [a.grad, c.grad]
+
+    three_ways(program)
+
+
+def test_block_tensor_written_after_the_block_behaves_as_without_a_budget():
+    """A block tensor saved inside its block, written in place after it and dropped:
+    the handle replays the value as saved; a stored copy gives way to that replay too
+    (instead of PyTorch's in-place error from the second step on)."""
+
+    def program(scope):
+        a, c, _ = _leaves()
+        with scope():
+            h = a.exp()  # exp saves its output
+        h.add_(1)
+        loss = (h * c).sum()
+        del h
+        loss.backward()
+        return [a.grad, c.grad]
+
+    def kept_alive(scope):  # the tensor itself was written: PyTorch's error, three ways
+        a, c, _ = _leaves()
+        with scope():
+            h = a.exp()
+        h.add_(1)
+        (h * c).sum().backward()
+        return [a.grad, c.grad]
+
+    _, results = three_ways(program, plain=False)
+    # Plain PyTorch cannot rebuild exp's output and raises; the scopes give the gradient
+    # of what was computed.
+    assert all(isinstance(r, tuple) for r in results["plain"])
+    assert all(isinstance(r, list) for r in results["budget"])
+    _, results = three_ways(kept_alive)
+    assert all(r[1].startswith("one of the variables needed") for r in results["budget"])
+
+
+def test_with_debug_the_plan_is_not_followed_and_writes_behind_versions_raise_as_without_it():
+    """debug=True compares every value with what autograd saved: with a budget too,
+    each saved block tensor is a checked handle, so a write that bypasses the version
+    counter (``.data``) raises with a budget exactly as without one."""
+
+    def program(scope, write):
+        a, c, _ = _leaves()
+        with scope():
+            x = a.sin() * 2
+        y = x * c
+        if write:
+            x.data.mul_(3)
+        y.sum().backward()
+        return [a.grad, c.grad]
+
+    b = Budget(10**12)
+    for write in (False, True, False, True):
+        without = outcome(lambda: program(lambda: recompute_scope(debug=True), write))
+        s = recompute_scope(debug=True, budget=b)
+        with_budget = outcome(lambda: program(lambda: s, write))
+        assert same_outcome(without, with_budget), (write, without, with_budget)
+        assert s.stats.tensors_packed > 0
+        if write:
+            assert with_budget[0] == "RecomputeError"
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_outer_saved_tensor_hooks_get_what_the_plan_stores(retain):
+    """A hook pair entered before the blocks gets every tensor the plan stores, as it
+    gets those ``save=`` keeps: with room for everything, what reaches it is what
+    reaches it without any scope."""
+    from conftest import RecordingHooks
+
+    def run(scope):
+        a, b, c = _leaves(shape=(8, 8))
+        hooks = RecordingHooks()
+        with hooks:
+            with scope():
+                h = (a @ b).tanh()
+                g = (h * c).sigmoid()
+            loss = (g @ h).sum()
+        loss.backward(retain_graph=retain)
+        return sorted(hooks.packed), hooks.unpacked, [a.grad, b.grad, c.grad]
+
+    import contextlib
+
+    plain = run(contextlib.nullcontext)
+    budget = Budget(10**12)
+    steps = [run(lambda: recompute_scope(budget=budget)) for _ in range(3)]
+    assert steps[0][0] != plain[0]  # unplanned: the block's tensors are handles
+    for packed, unpacked, grads in steps[1:]:
+        assert packed == plain[0] and unpacked == plain[1]
+        assert same(grads, plain[2])
+
+
+def test_retained_graphs_end_steps_and_the_budget_plans():
+    """``backward(retain_graph=True)`` every step: each step still ends with its
+    backward, the plan applies from step 2 on, and the budget's bookkeeping stays
+    bounded."""
+    model = make_model(3)
+    budget = Budget(10**12)
+    apply_recompute(model, check_fn=Block, budget=budget)
+    ref = make_model(3)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    for i in range(6):
+        model.zero_grad()
+        ref.zero_grad()
+        torch.manual_seed(i)
+        loss = model(x).sum()
+        loss.backward(retain_graph=True)
+        torch.manual_seed(i)
+        ref(x).sum().backward()
+        assert same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
+        stats = gradient_scope.model_stats(model, reset=True)
+        if i >= 1:
+            assert stats.tensors_packed == 0 and stats.replays == 0, (i, stats)
+        assert budget.predicted_recompute == 0
+        assert len(budget._run.step) <= 3  # this step's blocks only (before: 3 more each step)
+
+
+def test_a_create_graph_pass_inside_forward_does_not_end_the_step():
+    """A pass that builds a graph (``autograd.grad(create_graph=True)``, a gradient
+    penalty) inside forward leaves the step whole: its blocks and those after it are one
+    step, planned together."""
+    layers = [Block(16) for _ in range(2)]
+    budget = Budget(10**12)
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    for _ in range(3):
+        with recompute_scope(budget=budget):
+            h = layers[0](x)
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        with recompute_scope(budget=budget):
+            out = layers[1](h)
+        (out.sum() + g.square().sum()).backward()
+    assert {op.block.rsplit("#", 1)[1] for op in budget.stored_ops()} == {"0"}
+    assert len({op.block for op in budget.stored_ops()}) == 2  # both blocks, one step
+
+
+def test_budget_figures_describe_the_structure_running_now():
+    """Switching back to an earlier sequence length shows that structure's plan again."""
+    torch.manual_seed(0)
+    layers = [Block(16) for _ in range(2)]
+    budget = Budget("20KiB")
+
+    def run(seq):
+        h = torch.randn(2, seq, 16, requires_grad=True)
+        for layer in layers:
+            with recompute_scope(budget=budget):
+                h = layer(h)
+        h.sum().backward()
+        return budget.planned_bytes, budget.predicted_recompute, budget.stored_ops(), budget.curve().rows
+
+    run(8)
+    at8 = run(8)
+    run(12)
+    at12 = run(12)
+    assert at8 != at12
+    assert run(8) == at8
+    assert run(12) == at12
+
+
 def test_plan_cache_hit_on_step_two_and_a_new_structure_runs_unplanned_once():
     torch.manual_seed(0)
     layers = [Block(16) for _ in range(2)]
@@ -295,6 +516,90 @@ def test_budget_bad_values():
         apply_recompute(make_model(1), check_fn=Block, budget="lots")
     with pytest.raises(RuntimeError, match="no step has been measured"):
         Budget(10).curve()
+
+
+def test_budget_sizes_beyond_any_memory_raise_value_error():
+    for value in ("9" * 400, "9" * 400 + "GiB", "1" + "0" * 30 + "TiB", 2**63, 10**400):
+        with pytest.raises(ValueError, match="more bytes than any memory holds"):
+            Budget(value)
+    assert Budget(2**63 - 1).bytes == 2**63 - 1
+    assert Budget("0.5B").bytes == 0 and Budget("1.5B").bytes == 2  # exact, rounded half to even
+
+
+def test_numpy_integers_are_budgets():
+    np = pytest.importorskip("numpy")
+    for value in (np.int64(40_000), np.int32(40_000), np.uint64(40_000)):
+        assert Budget(value).bytes == 40_000
+    model = make_model(1)
+    apply_recompute(model, check_fn=Block, budget=np.int64(10**9))
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+    for bad in (np.bool_(True), np.float64(1e6), torch.tensor(1000)):
+        with pytest.raises(TypeError, match="int number of bytes"):
+            Budget(bad)
+
+
+def _floor_warning(run):
+    """Run two steps of ``run`` under budget 0; the one below-the-floor warning's line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            run()
+    found = [w for w in caught if "below the floor" in str(w.message)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    return found[0].filename, linecache.getline(found[0].filename, found[0].lineno)
+
+
+@pytest.mark.parametrize("path", ["with", "decorator", "checkpoint", "apply_recompute", "transformers"])
+def test_below_the_floor_warning_points_at_the_users_line(path):
+    torch.manual_seed(0)
+    budget = Budget(0)
+    layer = Block(16)
+    x = torch.randn(2, 4, 16, requires_grad=True)
+
+    @gradient_scope.recompute(budget=budget)
+    def decorated(h):
+        return layer(h)
+
+    if path == "with":
+
+        def run():
+            with recompute_scope(budget=budget):  # <- user line
+                h = layer(x)
+            h.sum().backward()
+
+    elif path == "decorator":
+
+        def run():
+            decorated(x).sum().backward()  # <- user line
+
+    elif path == "checkpoint":
+
+        def run():
+            gradient_scope.checkpoint(layer, x, use_reentrant=False, budget=budget).sum().backward()  # <- user line
+
+    elif path == "apply_recompute":
+        model = nn.Sequential(Block(16), Block(16))
+        apply_recompute(model, check_fn=Block, budget=budget)
+
+        def run():
+            model(x).sum().backward()  # <- user line
+
+    else:
+        gs_hf = pytest.importorskip("gradient_scope.integrations.transformers")
+        from _hf_models import SEQ, VOCAB
+        from _hf_models import make_model as make_hf
+
+        hf = make_hf("llama", layers=2, seed=0)
+        gs_hf.enable(hf, budget=budget)
+        ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+        def run():
+            hf(input_ids=ids, labels=ids).loss.backward()  # <- user line
+
+    filename, line = _floor_warning(run)
+    assert filename == __file__ and "# <- user line" in line, (filename, line)
 
 
 def test_curve_plot_writes_a_png(tmp_path, plain):

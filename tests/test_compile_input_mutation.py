@@ -322,6 +322,70 @@ def test_optimizer_step_between_compiled_forward_and_backward_raises(backend):
         ref_opt.step()
 
 
+class _DropoutNet(torch.nn.Module):
+    """Dropout in the block: the compiled backward replays it with the RNG state the
+    forward saved, and a parameter outside the blocks feeds a pointwise op (bias + gelu)
+    that the partitioner recomputes in the backward on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 6)
+        self.bias = torch.nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        with recompute_scope():
+            h = self.b(torch.nn.functional.dropout(self.a(x), 0.3, True)).sin()
+        return torch.nn.functional.gelu(h + self.bias) * x
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_every_parameter_the_backward_reads_raises_recompute_error(backend):
+    """Each parameter written alone between the compiled forward and backward raises
+    RecomputeError naming it: those a block reads next to a dropout (whose RNG state
+    the forward saves too), and one only the partitioner's own recomputation outside
+    the blocks reads (before: PyTorch's in-place error for both)."""
+    torch.manual_seed(0)
+    net = _DropoutNet()
+    compiled = torch.compile(net, backend=backend)
+    x = torch.randn(4, 6, requires_grad=True)
+    for name, p in net.named_parameters():
+        y = compiled(x)
+        with torch.no_grad():
+            p.add_(1)
+        with pytest.raises(RecomputeError, match=rf"reads the parameter self\.{re.escape(name)} of shape") as info:
+            y.sum().backward()
+        assert "Fix: call optimizer.step() after backward" in str(info.value)
+    y = compiled(x)
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    torch.optim.SGD(net.parameters(), lr=0.1, foreach=True).step()  # writes all of them
+    with pytest.raises(RecomputeError, match=r"reads the parameter self\.[\w.]+ of shape"):
+        y.sum().backward()
+
+
+def test_a_parameter_the_backward_does_not_read_may_be_written():
+    """A parameter the compiled backward does not read (an embedding table outside the
+    blocks: its backward reads only the indices) is not checked: writing it before
+    backward is no error, as without the scope."""
+
+    emb = torch.nn.Embedding(10, 6)
+    lin = torch.nn.Linear(6, 6)
+
+    def f(idx):
+        e = emb(idx)
+        with recompute_scope():
+            h = lin(e).tanh()
+        return h * 2
+
+    idx = torch.tensor([1, 2, 3])
+    y = torch.compile(f, backend="aot_eager")(idx)
+    with torch.no_grad():
+        emb.weight.add_(1)
+    y.sum().backward()
+    assert emb.weight.grad is not None
+
+
 def test_buffer_the_graph_writes_keeps_working():
     """Inputs the graph writes (here BatchNorm's running statistics, in the block) are not
     checked: their versions move in every call. Two steps match eager."""
@@ -415,3 +479,24 @@ def test_aotautograd_metadata_is_found(monkeypatch):
     torch.compile(f, backend="aot_eager")(x, b.requires_grad_() * 1.0).sum().backward()
     assert len(seen) == 1 and seen[0] is not None
     assert sorted(bool(info.mutates_data) for info in seen[0]) == [False, True]  # w, not x
+
+
+def test_transformers_model_compiled_with_an_optimizer_step_before_backward():
+    """A Hugging Face model (dropout in its layers) with a scope per layer, compiled
+    whole: an optimizer step between forward and backward raises RecomputeError naming
+    a parameter, as the same model does eagerly."""
+    pytest.importorskip("transformers")
+    import gradient_scope.integrations.transformers as gs_hf
+
+    from _hf_models import SEQ, VOCAB, make_model
+
+    model = make_model("llama", layers=2, seed=0)
+    model.train()
+    gs_hf.enable(model)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    torch.optim.AdamW(model.parameters(), lr=0.1).step()
+    with pytest.raises(RecomputeError, match=r"reads the parameter self\.model\.[\w.]+ of shape"):
+        loss.backward()

@@ -336,3 +336,30 @@ def test_hook_between_nested_scopes(device):
     assert torch.equal(ga, a.grad) and torch.equal(gb, b.grad)
     del s1, s2, p, y, loss
     assert_stacks_clean()
+
+
+def test_what_a_pair_below_the_scope_computes_is_not_recorded():
+    """A pair entered before a block gets the tensors the block does not intercept
+    (S2); what its pack computes (here a copy, as save_on_cpu makes) is not the
+    block's computation: not recorded, and not a block tensor kept alive."""
+    from gradient_scope import recompute_scope
+
+    def run(outer):
+        torch.manual_seed(0)
+        a, b = (torch.randn(4, 4, requires_grad=True) for _ in range(2))
+        with outer:
+            s = recompute_scope()
+            with s:
+                h = (a @ b).tanh()  # mm saves a and b: handed to the outer pair
+            y = (h * h).sum()
+        y.backward()
+        return s.stats.ops_recorded, a.grad
+
+    import contextlib
+
+    ops, grad = run(contextlib.nullcontext())
+    copying = saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+    ops_hooked, grad_hooked = run(copying)
+    assert ops_hooked == ops == 2
+    assert torch.equal(grad_hooked, grad)
+    assert_stacks_clean()

@@ -23,6 +23,11 @@ Compared: the outputs, every gradient, and the final values of the buffer and th
 parameter. After each run no saved-tensor hooks,
 dispatch modes or dynamo callbacks are left.
 
+Budgets: the same programs with a Budget given to every scope without ``save=`` (not
+applied inside compiled code; eager scopes around compiled functions follow it), three
+steps without resetting dynamo: each step must give what the scoped run without a budget
+gives, bitwise (``GS_DIFF_COMPILED_BUDGET_EXAMPLES``, default 2, and two fixed programs).
+
 Size: ``GS_DIFF_COMPILED_EXAMPLES`` examples (default 10: each compiles two graphs),
 derandomized unless ``GS_DIFF_RANDOM=1``; backend ``aot_eager``, or inductor with
 ``GS_DIFF_INDUCTOR=1``. ``GS_DIFF_COUNTS=path`` appends one line per example (its
@@ -47,7 +52,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 import gradient_scope._adapters.compile.graph as gs_compile
-from gradient_scope import RecomputeError, recompute_scope
+from gradient_scope import Budget, RecomputeError, recompute_scope
 
 from conftest import dispatch_depth, top_hooks
 
@@ -55,6 +60,8 @@ N_EXAMPLES = int(os.environ.get("GS_DIFF_COMPILED_EXAMPLES", "10"))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
 BACKEND = "inductor" if os.environ.get("GS_DIFF_INDUCTOR", "") not in ("", "0") else "aot_eager"
 COUNTS = os.environ.get("GS_DIFF_COUNTS")
+N_BUDGET_EXAMPLES = int(os.environ.get("GS_DIFF_COMPILED_BUDGET_EXAMPLES", "2"))
+BUDGET_STEPS = 3
 
 pytestmark = pytest.mark.skipif(
     gs_compile._MISSING is not None,
@@ -135,20 +142,22 @@ def _special(name: str, a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor, p: 
     return None
 
 
-def interpret(items: list, pool: list, buf: torch.Tensor, p: torch.Tensor, how: tuple[bool, str | None]) -> None:
+def interpret(items: list, pool: list, buf: torch.Tensor, p: torch.Tensor, how: tuple) -> None:
     """Run ``items`` on ``pool`` (traced by dynamo in ``inside`` programs). ``how``:
-    (scoped, the backend that compiles ``compiled`` items or None to run them eagerly)."""
-    scoped, backend = how
+    (scoped, the backend that compiles ``compiled`` items or None to run them eagerly,
+    the Budget given to the scopes without ``save=`` or None)."""
+    scoped, backend, budget = how
     for item in items:
         kind = item[0]
         if kind == "scope":
             save = [torch.ops.aten.mm] if item[1] == "save_mm" else None
-            with recompute_scope(save=save) if scoped else contextlib.nullcontext():
+            options = {"save": save} if save is not None or budget is None else {"budget": budget}
+            with recompute_scope(**options) if scoped else contextlib.nullcontext():
                 interpret(item[2], pool, buf, p, how)
         elif kind == "break":
             torch._dynamo.graph_break()
         elif kind == "compiled":
-            fn = _compiled_part(item[1], scoped)
+            fn = _compiled_part(item[1], scoped, budget)
             if backend is not None:
                 fn = torch.compile(fn, backend=backend)
             pool.append(fn(pool[-1], pool[len(pool) // 2], buf))
@@ -159,33 +168,35 @@ def interpret(items: list, pool: list, buf: torch.Tensor, p: torch.Tensor, how: 
                 pool.append(out)
 
 
-def _compiled_part(items: list, scoped: bool) -> Callable[..., torch.Tensor]:
+def _compiled_part(items: list, scoped: bool, budget: Any = None) -> Callable[..., torch.Tensor]:
     def part(a: torch.Tensor, b: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
         pool = [a, b]
-        interpret(items, pool, buf, buf, (scoped, None))
+        interpret(items, pool, buf, buf, (scoped, None, budget))
         return pool[-1] * 1.0
 
     return part
 
 
-def run_program(program: dict, compiled: bool, scoped: bool) -> list[torch.Tensor | None]:
+def run_program(program: dict, compiled: bool, scoped: bool, budget: Any = None) -> list[torch.Tensor | None]:
     """One run: eager (``compiled=False``: nothing compiled), or compiled with the
     program's backend (the whole body for ``inside``, the ``compiled`` items for
     ``outside``); returns the values to compare. Inductor draws random numbers with
-    eager's generator here (``fallback_random``), so that eager stays a reference."""
+    eager's generator here (``fallback_random``), so that eager stays a reference.
+    ``budget``: a Budget for the scopes (dynamo is not reset: a step of a loop)."""
     if program["backend"] != "inductor":
-        return _run(program, compiled, scoped)
+        return _run(program, compiled, scoped, budget)
     with torch._inductor.config.patch(fallback_random=True):
-        return _run(program, compiled, scoped)
+        return _run(program, compiled, scoped, budget)
 
 
-def _run(program: dict, compiled: bool, scoped: bool) -> list[torch.Tensor | None]:
-    torch._dynamo.reset()
+def _run(program: dict, compiled: bool, scoped: bool, budget: Any = None) -> list[torch.Tensor | None]:
+    if budget is None:
+        torch._dynamo.reset()
     torch.manual_seed(program["seed"])
     r = Run(program["seed"])
     backend = program["backend"]
     inside = program["shape"] == "inside"
-    how = (scoped, backend if compiled and not inside else None)
+    how = (scoped, backend if compiled and not inside else None, budget)
 
     def body(x: torch.Tensor, w: torch.Tensor, p: torch.Tensor, buf: torch.Tensor) -> list[torch.Tensor]:
         pool = [x, w, p]
@@ -232,11 +243,13 @@ def _close(a: list, e: list) -> bool:
     return True
 
 
-def _attempt(program: dict, compiled: bool, scoped: bool) -> tuple[list | None, BaseException | None]:
+def _attempt(
+    program: dict, compiled: bool, scoped: bool, budget: Any = None
+) -> tuple[list | None, BaseException | None]:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # (budget= inside compiled code: not applied there)
         try:
-            return run_program(program, compiled, scoped), None
+            return run_program(program, compiled, scoped, budget), None
         except RecomputeError as e:
             return None, e
         except Exception as e:  # noqa: BLE001  (judged by the caller)
@@ -273,6 +286,46 @@ def check_program(program: dict) -> str:
         if _state() != state0:
             raise AssertionError(f"global state left changed\nprogram={program!r}")
     assert torch._C._dynamo.eval_frame.set_eval_frame(None) is None, "a dynamo callback was left set"
+    _count(outcome)
+    return outcome
+
+
+def check_budget_program(program: dict) -> str:
+    """The scoped compiled run without a budget, then ``BUDGET_STEPS`` steps with one
+    Budget (dynamo not reset between them: the compiled graphs are reused and eager
+    blocks follow their plan from the second step): every step gives what the run
+    without a budget gives, bitwise -- or, where that raised RecomputeError, what the
+    plain compiled run gives (a stored value needs no replay)."""
+    state0 = _state()
+    plain, err = _attempt(program, compiled=True, scoped=False)
+    if plain is None:
+        return _invalid(f"plain compiled raises {type(err).__name__}")
+    unplanned, err = _attempt(program, compiled=True, scoped=True)
+    if err is not None and not isinstance(err, RecomputeError):
+        raise AssertionError(f"scoped run raised {type(err).__name__}: {err}\nprogram={program!r}")
+    if err is not None:
+        torch.ones((), requires_grad=True).backward()  # the engine's ready queue (README)
+    budget = Budget(program["budget"])
+    torch._dynamo.reset()
+    for step in range(BUDGET_STEPS):
+        got, err_b = _attempt(program, compiled=True, scoped=True, budget=budget)
+        if err_b is not None:
+            torch.ones((), requires_grad=True).backward()
+        same = (got is None and unplanned is None and type(err_b) is type(err)) or (
+            got is not None and unplanned is not None and _bitwise(got, unplanned)
+        )
+        if not same and not (err is not None and got is not None and _bitwise(got, plain)):
+            raise AssertionError(
+                f"step {step + 1} with a budget: {type(err_b).__name__ if err_b else 'a result'}; without one: "
+                f"{type(err).__name__ if err else 'a result'}\nprogram={program!r}"
+            )
+    torch._dynamo.reset()
+    if _state() != state0:
+        gc.collect()
+        if _state() != state0:
+            raise AssertionError(f"global state left changed\nprogram={program!r}")
+    planned = "unplanned" if budget.planned_bytes is None else "planned"
+    outcome = f"{'RecomputeError' if err else 'a result'} without a budget, {planned}"
     _count(outcome)
     return outcome
 
@@ -341,3 +394,39 @@ def test_compiled_programs_equal_plain_or_recompute_error(program):
     if not _has_scope(program["items"]):
         reject()
     check_program({**program, "backend": BACKEND})
+
+
+budget_program_st = program_st.flatmap(
+    lambda p: st.fixed_dictionaries(
+        {**{k: st.just(v) for k, v in p.items()}, "budget": st.one_of(st.just(10**12), st.integers(0, 2000))}
+    )
+)
+
+
+@settings(
+    max_examples=N_BUDGET_EXAMPLES,
+    deadline=None,
+    derandomize=not RANDOM,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+@given(program=budget_program_st)
+# An eager block with a budget calling a compiled function; a compiled block given one.
+@example(
+    program={
+        "shape": "outside",
+        "items": [("scope", "plain", [("sin", 0, 1), ("compiled", [("mm", 0, 1), ("tanh", 2, 2)]), ("mul", 3, 4)])],
+        "seed": 3,
+        "budget": 10**12,
+    }
+)
+@example(
+    program={"shape": "inside", "items": [("scope", "plain", [("mm", 0, 1), ("gelu", 3, 3)])], "seed": 4, "budget": 0}
+)
+def test_compiled_programs_with_budgets_behave_as_without(program):
+    """Budgets given to scopes in compiled code (not applied there: one warning) and to
+    eager scopes around compiled functions change no result."""
+    if not _has_scope(program["items"]):
+        reject()
+    check_budget_program({**program, "backend": BACKEND})

@@ -1,5 +1,8 @@
 """Block-created tensors die after forward (weakrefs, no gc.collect()), and scope.stats."""
 
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -583,3 +586,38 @@ def test_debug_keeps_a_block_tensor_in_a_pytorch_reference_cycle_as_plain_pytorc
     probe().detach_()  # drops u's grad_fn: the cycle is gone
     assert probe() is None
     assert_interception_gone()
+
+
+_FIRST_SCOPE = """
+import gc, weakref
+gc.disable()
+import torch
+from gradient_scope import Budget, checkpoint, recompute_scope, saved_tensors_report
+
+def step(budget):
+    x = torch.randn(8, 8, requires_grad=True)
+    with recompute_scope(budget=budget):
+        y = x.exp()
+    z = checkpoint(torch.sin, y, use_reentrant=False)
+    with saved_tensors_report():
+        loss = (z * y).sum()
+    loss.backward()
+    return weakref.ref(x), weakref.ref(y)
+
+budget = Budget("1MiB")
+for i in range(3):
+    refs = step(budget)
+    print(i, [r() is None for r in refs])
+"""
+
+
+def test_the_first_scope_of_a_process_does_not_keep_its_callers_frame():
+    """The first scope of a process imports what it needs lazily (seconds of imports);
+    the cycles such an import may leave hold its frames, and a frame holds its callers':
+    the caller's tensors must still die at once, without gc (a fresh interpreter)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_SCOPE], cwd=root, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["0 [True, True]", "1 [True, True]", "2 [True, True]"], out.stdout

@@ -252,6 +252,24 @@ def test_a_write_after_the_save_raises_pytorchs_inplace_error(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_data_swap_of_a_saved_input_is_seen_as_autograd_sees_it(device):
+    def run(hooks):
+        a = torch.randn(4, 4, device=device, generator=None, requires_grad=True)
+        x = torch.full((4, 4), 2.0, device=device)
+        with hooks:
+            y = (a * x).sum()  # mul saves x itself (an input of its node)
+        x.data = torch.full((4, 4), 3.0, device=device)
+        y.backward()
+        return a.grad
+
+    plain = run(contextlib.nullcontext())
+    assert torch.equal(plain, torch.full((4, 4), 3.0, device=device))  # what autograd does
+    with backend(device):
+        engine = Offloader(None)
+        assert torch.equal(run(offload_all(engine)), plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_host_pool_is_bounded_and_what_does_not_fit_stays(device):
     ws = mlp_params(device)
     x = torch.randn(8, 16, device=device, requires_grad=True)

@@ -364,6 +364,26 @@ def test_held_by_scopes_bytes_are_what_blocks_keep_that_autograd_does_not():
     assert report.recomputable_bytes == 64 * 128 * 4  # a, once
 
 
+@pytest.mark.parametrize("budget", [0, 100_000, 10**12])  # below the floor; room for a; for all
+def test_under_a_budget_what_the_plan_stores_counts_as_activations(budget):
+    """After the plan applies (step 3): activations + held by scopes = what forward
+    leaves, whatever the plan stores; with room for everything the activations are
+    plain's (the plan stores what plain stores)."""
+    b = gradient_scope.Budget(budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # budget 0 is below the floor
+        for _ in range(2):
+            made_in_forward_program(lambda: recompute_scope(budget=b))
+        report, held = made_in_forward_program(lambda: recompute_scope(budget=b))
+    assert report.activation_bytes + report.held_by_scopes_bytes == held - 4
+    a_bytes = 64 * 128 * 4
+    assert report.recomputable_bytes == (a_bytes if budget == 0 else 0)
+    if budget == 10**12:
+        plain, _ = made_in_forward_program(contextlib.nullcontext)
+        assert report.activation_bytes == plain.activation_bytes
+        assert report.held_by_scopes_bytes == 64 * 128 * 4  # y, read by the block, saved by no op
+
+
 def test_held_by_scopes_counts_each_storage_once_and_rng_states():
     w = torch.randn(64, requires_grad=True)
     older = torch.randn(64)

@@ -213,6 +213,24 @@ def test_environment_variable_bad_value(monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("form", ["object", "budget"])
+def test_a_scope_whose_entry_raised_can_be_entered_once_the_cause_is_fixed(monkeypatch, form):
+    """A bad switch value makes ``__enter__`` raise; the same scope object is not left
+    "already active": fixed, it enters, records and recomputes (also with a budget)."""
+    scope = recompute_scope(budget=gradient_scope.Budget("1MiB")) if form == "budget" else recompute_scope()
+    monkeypatch.setenv("GRADIENT_SCOPE_DISABLE", "maybe")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="neither on"):
+            with scope:
+                pass
+    monkeypatch.delenv("GRADIENT_SCOPE_DISABLE")
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    with scope:
+        h = (x @ w).tanh()
+    (h * h).sum().backward()
+    assert scope.stats.ops_recorded == 2 and scope.stats.tensors_packed > 0
+
+
 def test_disabled_lets_torch_func_run_scoped_code():
     def loss_fn(w, x):
         with recompute_scope():

@@ -76,22 +76,23 @@ def test_backward_in_other_thread_tensors_alive(device):
 
 def test_last_block_tensor_dies_in_other_thread(device):
     """The worker thread holds the only references (graph and block tensors), runs
-    backward and drops them. No thread can edit another thread's hook stack, so the
-    forward thread's pair stays, inert, until that thread's next safe point (here its
-    next backward call); meanwhile it hands everything on exactly as if absent."""
+    backward and drops them: the main thread's pair leaves at once (its next bytecode
+    boundary, I8), without gc; PyTorch's own in-place check and later scopes work."""
     hooks0 = top_hooks()
     a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
     with recompute_scope():
         h = (a @ b).exp()
     holder = [h, (h * b).sum()]
     del h
+    assert top_hooks() != hooks0
 
     def work():
         holder[1].backward()
         holder.clear()
 
     in_thread(work)
-    # Inert meanwhile: PyTorch's in-place check still fires for an ordinary tensor.
+    assert top_hooks() == hooks0, f"forward thread left with hooks {top_hooks()}"
+    assert_stacks_clean()
     w = torch.randn(3, requires_grad=True, device=device)
     p = w * 2
     q = p.sin()
@@ -102,7 +103,7 @@ def test_last_block_tensor_dies_in_other_thread(device):
     a.grad = b.grad = None
     ((a @ b).exp() * b).sum().backward()
     assert torch.equal(ga, a.grad)
-    assert top_hooks() == hooks0, f"forward thread left with hooks {top_hooks()}"
+    assert top_hooks() == hooks0
     assert_stacks_clean()
 
 
@@ -236,34 +237,64 @@ def test_thread_forward_while_other_thread_backward(device):
     assert_stacks_clean()
 
 
-def test_forward_thread_after_other_thread_dropped_last_tensor(device):
-    """``docs/concepts.md`` wants the interception gone once the last block tensor dies. When it dies
-    in another thread, nothing can edit this thread's (thread-local) hook stack, so our
-    pair stays -- inert, and torch.func refuses to run (``docs/limitations.md``) -- until this thread's
-    next safe point (entering a scope here), after which everything is clean. This test
-    pins down that documented limitation."""
+def test_main_thread_pair_leaves_when_its_last_tensor_dies_in_another_thread(device):
+    """The main thread's last block tensor dies in a worker: the pair is gone before
+    the main thread's next line runs, torch.func runs there, nothing waits for gc."""
+    import gc
+    import weakref
+
     hooks0 = top_hooks()
-    a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
-    with recompute_scope():
-        h = (a @ b).exp()
-    holder = [h, (h * b).sum()]
-    del h
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
+        with recompute_scope():
+            h = (a @ b).exp()
+        ref = weakref.ref(h)
+        holder = [h, (h * b).sum()]
+        del h
 
-    def work():
-        holder[1].backward()
-        holder.clear()
+        def work():
+            holder[1].backward()
+            holder.clear()
 
-    in_thread(work)
-    assert top_hooks() != hooks0  # the pair is still on this thread's stack ...
-    x = torch.randn(3, requires_grad=True, device=device)
-    y = x * 2
-    z = y.sin()
-    y.add_(1)  # ... but inert: PyTorch's in-place check still fires
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        z.sum().backward()
-    with recompute_scope():  # a safe point of this thread
-        pass
-    assert top_hooks() == hooks0
-    g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3, device=device))
-    assert torch.equal(g, torch.ones(3, device=device).cos())
+        in_thread(work)
+        assert ref() is None and top_hooks() == hooks0
+        assert_stacks_clean()
+        g = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3, device=device))
+        assert torch.equal(g, torch.ones(3, device=device).cos())
+    finally:
+        if was:
+            gc.enable()
+
+
+def test_worker_forward_thread_pair_leaves_at_its_next_safe_point(device):
+    """A forward thread other than the main thread cannot be interrupted: its pair
+    leaves at that thread's next safe point -- here a torch.func call, which then runs
+    (I6, I8) -- and meanwhile it is inert."""
+    ready, dropped = threading.Event(), threading.Event()
+    box = {}
+
+    def forward_thread():
+        a, b = (torch.randn(4, 4, requires_grad=True, device=device) for _ in range(2))
+        with recompute_scope():
+            h = (a @ b).exp()
+        box["holder"] = [h, (h * b).sum()]
+        del h
+        ready.set()
+        dropped.wait(TIMEOUT)
+        box["before"] = top_hooks() is not None
+        box["grad"] = torch.func.grad(lambda t: t.sin().sum())(torch.ones(3, device=device))
+        box["after"] = top_hooks()
+
+    t = threading.Thread(target=forward_thread)
+    t.start()
+    assert ready.wait(TIMEOUT)
+    box["holder"][1].backward()
+    box.pop("holder")
+    dropped.set()
+    t.join(TIMEOUT)
+    assert not t.is_alive()
+    assert box["before"] and box["after"] is None
+    assert torch.equal(box["grad"], torch.ones(3, device=device).cos())
     assert_stacks_clean()

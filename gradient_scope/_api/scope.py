@@ -7,7 +7,6 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar, overload
 
@@ -15,7 +14,7 @@ import torch
 
 from .._base import torch_compat as _torch_compat
 from .._base.errors import Site, check_bool, where
-from .._base.feedback import unknown_options, warn_once
+from .._base.feedback import unknown_options, warn_once, warn_user
 from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
@@ -75,6 +74,7 @@ def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
 
 # The package's root folder: a frame in any of its rooms is the library's, not the user's.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_interception.add_unsafe_file(__file__)  # a scope's entry pushes the pair, then opens its block (I8)
 
 
 def _caller_site() -> Site:
@@ -220,25 +220,29 @@ class recompute_scope:
                 "recompute_scope() for each block (a decorated function does this per call)."
             )
         self._active = True
-        opts = self._options
-        if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
-            self._block = None  # records nothing: a plain block
-            return self
         # Entered eagerly while dynamo compiles the frames this thread enters: the
         # frame with the block fell back to eager (a graph break in a compiled
         # scope). Frames called from the open block run eagerly too, so that their
         # ops are recorded as an eager scope's (functions the user wrapped with
         # torch.compile still compile, R7); so does the library's own code here.
         self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
+        try:
+            self._open()
+        except BaseException:
+            _undo_open(self)  # the object can be entered again once the cause is fixed
+            raise
+        if self._block is None:  # a plain block: nothing to keep eager
+            _resume_dynamo(self)
+        return self
+
+    def _open(self) -> None:
+        opts = self._options
+        if not opts["enabled"] or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or scopes_disabled():
+            self._block = None  # records nothing: a plain block
+            return
         site = self._site if self._site is not None else _caller_site()
         serial = _interception.next_serial()
-        try:
-            _interception.ensure_on_top(serial)
-        except BaseException:
-            self._active = False
-            _torch_compat.resume_dynamo_compile(self._dynamo_callback[1])
-            self._dynamo_callback = (0, None)
-            raise
+        _interception.ensure_on_top(serial)
         outer = _recorder.innermost()
         budget = opts.get("budget")
         record = state = None
@@ -258,9 +262,9 @@ class recompute_scope:
             self._block, self._nested = outer, True
         else:
             self._block, self._nested = _recorder.open_block(record, state, frame), False  # type: ignore[arg-type]
-        rng = self._range = profiler_range("gradient_scope.record")
+        rng = profiler_range("gradient_scope.record")
         rng.__enter__()
-        return self
+        self._range = rng
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._active:
@@ -274,10 +278,7 @@ class recompute_scope:
         finally:
             # Dynamo compiles called frames again only now: the library's own code
             # above must not be traced (another thread: _close raised).
-            thread, callback = self._dynamo_callback
-            self._dynamo_callback = (0, None)
-            if thread == threading.get_ident():
-                _torch_compat.resume_dynamo_compile(callback)
+            _resume_dynamo(self)
 
     def _close(self, block: OpenBlock, exc_type: Any) -> None:
         if (
@@ -323,6 +324,33 @@ recompute_scope.__signature__ = _init_signature.replace(  # type: ignore[attr-de
     parameters=list(_init_signature.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
 _OPTION_NAMES = frozenset(list(_init_signature.parameters)[1:])
+
+
+def _undo_open(scope: recompute_scope) -> None:
+    """Put everything back after ``scope._open`` raised: nothing of it stays open."""
+    scope._active = False
+    block, scope._block, scope._frame = scope._block, None, None
+    plan, scope._budget_block = scope._budget_block, None
+    try:
+        if block is not None:
+            if scope._nested:
+                block.pop(True)
+            else:
+                _recorder.close_block(block, True)
+        if plan is not None:
+            plan.close(True)
+    finally:
+        _resume_dynamo(scope)
+        _interception.sweep()
+
+
+def _resume_dynamo(scope: recompute_scope) -> None:
+    """Undo the suspension of dynamo's compiling that ``scope``'s entry made (in another
+    thread than the entry's: nothing)."""
+    thread, callback = scope._dynamo_callback
+    scope._dynamo_callback = (0, None)
+    if thread == threading.get_ident():
+        _torch_compat.resume_dynamo_compile(callback)
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:
@@ -371,12 +399,10 @@ def _check_matched(frame: Frame, recorded: int, aborted: bool) -> None:
 def _warn_budget_nested() -> None:
     if "nested" not in _warned:
         _warned.add("nested")
-        warnings.warn(
+        warn_user(
             "gradient_scope: a recompute_scope with budget= nested in another scope records into "
             "the outer block, which follows its own options: the budget is not applied there. "
-            "Give budget= to the outermost scopes.",
-            UserWarning,
-            stacklevel=3,
+            "Give budget= to the outermost scopes."
         )
 
 

@@ -8,7 +8,9 @@
 - ``stats`` -- ``ScopeStats``; ``errors`` -- ``RecomputeError``, where a block was entered,
   the causes messages name, the internal-error check; ``options`` -- option values and the
   process-wide off switch (``disabled()``, ``GRADIENT_SCOPE_DISABLE``); ``feedback`` -- the
-  ``gradient_scope`` logger, warnings that name the user's line, misspelled-option errors.
+  ``gradient_scope`` logger, warnings that name the user's line, misspelled-option errors;
+  ``main_thread`` -- a function run in the main thread at its next bytecode boundary, from
+  any thread.
 
 No rule family lives here.
 """

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +62,7 @@ __all__ = [
     "remove_mode_from_under",
     "without_torch_function",
     "skip_dynamo",
+    "import_detached",
     "suspend_dynamo_compile",
     "resume_dynamo_compile",
     "in_compiled_code",
@@ -237,13 +240,37 @@ def remove_mode_from_under(mode: Any) -> None:
     getattr(pd, "set_is_in_mode_without_ignore_compile_internals")(flags[2])  # noqa: B009
 
 
+def import_detached(name: str) -> Any:
+    """``importlib.import_module(name)``, run in a thread of its own the first time.
+
+    An import can leave reference cycles that hold its frames (a module that keeps a
+    caught exception), and a frame holds its caller: imported from a scope's entry,
+    they would keep the user's frame, and its tensors, alive until the garbage
+    collector runs. In a fresh thread the only callers are that thread's."""
+    if name in sys.modules:
+        return importlib.import_module(name)
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(importlib.import_module(name))
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            box.append(e)
+
+    worker = threading.Thread(target=run, name=f"gradient_scope: import {name}", daemon=True)
+    worker.start()
+    worker.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 def skip_dynamo(code: Any) -> None:
     """Tell dynamo never to trace ``code`` nor anything it calls (what
     ``torch._dynamo.disable(fn, recursive=True)`` does, without a wrapper call per
     use). Relies on ``set_code_exec_strategy``, ``FrameAction`` and
     ``FrameExecStrategy`` of ``torch/_dynamo/eval_frame.py`` (2.6+; the floor is 2.8)."""
-    import torch._dynamo.eval_frame as ef
-
+    ef = import_detached("torch._dynamo.eval_frame")
     skip = getattr(ef, "FrameAction").SKIP  # noqa: B009  (not re-exported: getattr)
     getattr(ef, "set_code_exec_strategy")(code, getattr(ef, "FrameExecStrategy")(skip, skip))  # noqa: B009
 

@@ -1,6 +1,6 @@
 """The budget: measure what blocks save, plan what to keep, offload or recompute, apply it.
 
-- ``budget`` -- ``Budget``, the public face (RULES M1..M7: how a budget runs).
+- ``budget`` -- ``Budget``, the public face (RULES M1..M8: how a budget runs).
 - ``run`` -- a budget at run time: steps, blocks, model regions, cached plans.
 - ``block`` -- one scoped block under a budget: its per-tensor decision, what it saw.
 - ``region`` -- one forward of a model under a model-level budget: what the code

@@ -86,11 +86,11 @@ class BlockPlan:
         self.views: set[int] = set()  # storages of outside tensors saved as views (kept by autograd too)
 
     def needed(self) -> bool:
-        """Whether backward may still need this block (M2)."""
+        """Whether a backward pass is still to use this block (M2)."""
         if self.whole:
             return False
         state = self.state()
-        return state is not None and bool(state.pending_backward())
+        return state is not None and bool(state.awaited())
 
     def _check(self, ops: list[Any], place: Place, var: Var) -> None:
         """Keep the plans whose signature has the decided op and output as recorded (M3)."""

@@ -1,7 +1,7 @@
 """``Budget``: say how much activation memory a model may keep after forward; the library
 picks, per saved tensor, what to keep, offload or recompute.
 
-RULES M1..M7: how a budget runs.
+RULES M1..M8: how a budget runs.
 
 M1. A scope with a budget gives its block a :class:`~gradient_scope._budget.block.BlockPlan`,
     the frame's ``store`` decision: the pack hook asks it, for each saved block tensor,
@@ -9,9 +9,11 @@ M1. A scope with a budget gives its block a :class:`~gradient_scope._budget.bloc
     recompute handle. It never changes what is computed, only what is kept and where:
     gradients are those of the plain program.
 M2. Steps: blocks and model regions entered while an earlier block of the budget may
-    still be needed by backward (it has pending handles or stored tensors), or while
-    a region is open, belong to the same step; one entered when none is needed starts
-    a new step. Within a step, a block is named by its site (where its scope was
+    still be needed by backward (it has pending handles or stored tensors, and no
+    backward pass that built no graph has used it yet: ``_restore.handles`` P10), or
+    while a region is open, belong to the same step; one entered when none is needed
+    starts a new step, so a step ends with its backward also where the graph is
+    retained (``backward(retain_graph=True)``). Within a step, a block is named by its site (where its scope was
     entered) and occurrence (how many blocks of that site came before it in the step),
     a region by its occurrence.
 M3. A block whose structure (its signature, ``_record.signature``: the key replay
@@ -35,16 +37,23 @@ M6. A budget given to a model-level helper bounds the model's activation memory 
 M7. With ``offload=``, the budget's engine (``_budget.offload``) moves what the plan
     offloads. On a device it cannot move (the CPU), offload changes nothing and one
     warning says so.
+M8. The figures a budget shows (floor, planned bytes, predicted times, stored ops,
+    curve) are those of the plan of the structure of the last step that ended: each
+    step structure planned keeps its own, so a step that returns to an earlier
+    structure (an earlier sequence length) shows that structure's again. A step whose
+    blocks all have plans but in a combination not planned yet is planned.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import operator
 import re
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from fractions import Fraction
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -77,33 +86,57 @@ _UNITS = {
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
 
+#: The largest budget: no memory holds more bytes than a signed 64-bit count.
+MAX_BYTES = 2**63 - 1
+
+
 def parse_bytes(value: Any) -> int:
     """A number of bytes from an int or a string such as ``"1.5GiB"`` or ``"800MB"``.
 
     Units: B, kB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024), any case.
+    Integers of other types (``numpy.int64``, anything with ``__index__`` but a
+    tensor) count as ints; bools and floats do not.
 
     Example::
 
         >>> parse_bytes("1.5GiB"), parse_bytes("800MB"), parse_bytes(4096)
         (1610612736, 800000000, 4096)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(
-            f"budget must be an int number of bytes or a string such as '1.5GiB' or '800MB', "
-            f"got {type(value).__name__} ({value!r})"
-        )
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"budget must be >= 0 bytes, got {value}")
-        return value
-    m = _SIZE.fullmatch(value)
-    unit = m.group(2).lower() if m is not None else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"budget {value!r} is not a size: write a number and a unit, e.g. '2GiB', '1.5GB', "
-            "'800MB', '512MiB' or '1000000' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    return round(float(m.group(1)) * _UNITS[unit])
+    n = _as_int(value)
+    if n is None:
+        if not isinstance(value, str):
+            raise TypeError(
+                "budget must be an int number of bytes or a string such as '1.5GiB' or '800MB', "
+                f"got {type(value).__name__} ({value!r})"
+            )
+        m = _SIZE.fullmatch(value)
+        unit = m.group(2).lower() if m is not None else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"budget {value!r} is not a size: write a number and a unit, e.g. '2GiB', '1.5GB', "
+                "'800MB', '512MiB' or '1000000' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        n = round(Fraction(m.group(1)) * _UNITS[unit])  # exact: no float overflow or rounding
+    if n < 0:
+        raise ValueError(f"budget must be >= 0 bytes, got {value!r}")
+    if n > MAX_BYTES:
+        text = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(str(value))} characters)"
+        raise ValueError(f"budget {text} is more bytes than any memory holds: the largest is 2**63 - 1")
+    return n
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int if it is an integer (an int, ``numpy.int64``, anything with
+    ``__index__``), else None. Not a bool (``True`` is no size), nor a tensor (reading
+    one would synchronise with its device)."""
+    if isinstance(value, (bool, str, torch.Tensor)) or type(value).__name__ in ("bool", "bool_"):
+        return None
+    if not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _offload_limit(value: Any) -> float | None:
@@ -140,7 +173,7 @@ class Budget:
     keep on the device after forward; the library picks what to keep, offload and
     recompute to stay within it at the least predicted step time.
 
-    ``budget`` is an int number of bytes or a string such as ``"1.5GiB"`` or
+    ``budget`` is an int number of bytes (``numpy.int64`` too) or a string such as ``"1.5GiB"`` or
     ``"800MB"``. Given to :func:`apply_recompute` or the Hugging Face ``enable``, it
     bounds the model's activation memory after forward: everything its forward leaves
     for backward that is not a parameter, buffer or input -- scoped or not, each storage
@@ -171,7 +204,7 @@ class Budget:
         ...
     """
 
-    def __init__(self, budget: int | str, offload: bool | int | str | None = None) -> None:
+    def __init__(self, budget: int | str | SupportsIndex, offload: bool | int | str | None = None) -> None:
         self.bytes = parse_bytes(budget)
         self._offload_arg = offload
         self.offload = _offload_limit(offload)

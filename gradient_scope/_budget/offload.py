@@ -28,7 +28,9 @@ O6. Host memory comes from the pool (``_budget.hostpool``) and goes back with th
     backward, or dropped by an exception in forward or backward -- first waits for its
     copies: nothing stays in flight, nothing is held.
 O7. A packed tensor checks at unpack that the tensor it was made from (or its base) was
-    not written since, as autograd does: PyTorch's in-place error otherwise.
+    not written since, as autograd does: PyTorch's in-place error otherwise. One made
+    from a tensor autograd would keep itself (a saved input, not a view) whose data was
+    swapped since (``.data = ...``) gives that tensor's new data, as autograd does.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._base.errors import inplace_error
 from .._base.torch_compat import storage_id, storage_use_count, without_python_dispatch, without_torch_function
+from .._save.pack import may_be_new_output
 from .hostpool import SLAB, HostBlock, HostPool
 from .streams import Backend, backend_for
 
@@ -145,7 +148,7 @@ class HostCopy:
 class Offloaded:
     """What a saved tensor becomes when it is offloaded: its host copy and its view (O1)."""
 
-    __slots__ = ("copy", "dtype", "size", "stride", "offset", "version", "sources", "__weakref__")
+    __slots__ = ("copy", "dtype", "size", "stride", "offset", "version", "sources", "storage", "__weakref__")
 
     def __init__(self, copy: HostCopy, t: Tensor) -> None:
         self.copy = copy
@@ -154,12 +157,18 @@ class Offloaded:
         self.version = t._version
         base = t._base
         self.sources = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
+        # O7: where autograd would keep ``t`` itself (a saved input), its storage then.
+        self.storage = t.untyped_storage()._cdata if base is None and not may_be_new_output(t) else None
 
     def unpack(self) -> Tensor:
         for ref in self.sources:  # O7
             src = ref()
             if src is not None and src._version != self.version:
                 raise inplace_error(f"{src.type()} {list(src.shape)}", self.version, src._version)
+        src = self.sources[0]()
+        if self.storage is not None and src is not None and src.untyped_storage()._cdata != self.storage:
+            with without_python_dispatch():  # O7: autograd's saved input sees the swap (`.data = ...`)
+                return src.detach()
         value = self.copy.fetch()
         with _Quiet():
             return torch.empty(0, dtype=self.dtype, device=value.device).set_(

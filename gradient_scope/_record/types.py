@@ -254,9 +254,21 @@ class BlockOwner(Protocol):
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Any:
         """A pending handle of this block standing for ``var`` saved at ``version``."""
 
-    def note_stored(self, var: Var, alias: Any) -> None:
-        """``alias`` (held by autograd) is ``var``'s value, stored by a budget, or what it
-        was offloaded into (S4)."""
+    def note_kept(self, kept: Any) -> None:
+        """``kept`` (held by autograd) stores one of the block's values for a budget, or
+        is what it was offloaded into (S4)."""
+
+    def touched(self) -> None:
+        """A value of the block is being unpacked."""
+
+    def replay_saved(self, var: Var, version: int, view: ViewSpec | None) -> Tensor:
+        """``var``'s value as saved at ``version`` (``view`` of it), replayed."""
+
+    def hand_out(self, var: Var) -> None:
+        """A stored value of ``var`` is handed to the current backward pass."""
+
+    def handed_out(self, var: Var) -> bool:
+        """Whether the current backward pass was handed a stored value of ``var``."""
 
 
 class Frame:

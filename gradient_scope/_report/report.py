@@ -10,7 +10,9 @@ Three observers, all removed when the ``with`` block ends (also when it raises):
 * a pack listener of the scopes' hook (:func:`._pack.add_pack_listener`):
   while a scope's pair is innermost, block tensors become handles without
   reaching our pair, and the listener reports them (and the blocks they come
-  from: what those keep alive is ``held_by_scopes_bytes``);
+  from: what those keep alive is ``held_by_scopes_bytes``); a store listener
+  (:func:`._pack.add_store_listener`) reports the blocks of the tensors a
+  budget's plan stores, which reach our pair as stored tensors;
 * the module stack and op tracker of ``_report.where``: where each save happened.
 
 The pieces: ``_report.where`` (where), ``_report.tally`` (counting, grouping),
@@ -41,7 +43,7 @@ from .._base.torch_compat import (
 from .._budget.offload import Offloaded, evicted_bytes
 from .._record.registry import lookup
 from .._record.types import Input
-from .._save.pack import Foreign, Stored, add_pack_listener, unpack
+from .._save.pack import Foreign, Stored, add_pack_listener, add_store_listener, unpack
 from .format import Totals, diff_table, fmt_bytes, table
 from .tally import SavedTensorsRow, Tally, held_outside
 from .where import Location, ModuleStack, OpTracker, op_name, python_caller, user_line
@@ -151,10 +153,19 @@ class _Observer:
                 if offloaded:
                     self._note_block(t)
             self.handled = id(t)
-            state = getattr(handle, "state", None)
-            seen = self.states.get(id(state))
-            if state is not None and (seen is None or seen() is not state):
-                self.states[id(state)] = weakref.ref(state)
+            self._note_state(getattr(handle, "state", None))
+
+    def on_scope_store(self, t: torch.Tensor, state: Any) -> None:
+        # A budget's plan stored ``t``: it is counted as stored where it reaches a pack
+        # of ours (below or above the scope's pair); its block keeps what it read for
+        # replays of its other values.
+        if self.open and threading.get_ident() == self.thread:
+            self._note_state(state)
+
+    def _note_state(self, state: Any) -> None:
+        seen = self.states.get(id(state))
+        if state is not None and (seen is None or seen() is not state):
+            self.states[id(state)] = weakref.ref(state)
 
     def held(self) -> int:
         """Bytes the blocks seen keep alive for replay that autograd does not store."""
@@ -203,6 +214,7 @@ class _Observer:
             self.cleanup.append(register_module_forward_pre_hook(self.modules.pre_hook).remove)
             self.cleanup.append(register_module_forward_hook(self.modules.post_hook, always_call=True).remove)
             self.cleanup.append(add_pack_listener(self.on_scope_pack))
+            self.cleanup.append(add_store_listener(self.on_scope_store))
         except BaseException:
             self.close()
             raise

@@ -1,6 +1,6 @@
 """Restore: a handle's value, from memory or by replaying the recorded ops it needs.
 
-- ``handles`` -- handles, each block's replay state and per-pass cache (RULES P1..P9:
+- ``handles`` -- handles, each block's replay state and per-pass cache (RULES P1..P10:
   what a replay keeps).
 - ``replay`` -- the replay itself: which recorded ops rebuild a value, which values the
   pass keeps, running them (interpreted).

@@ -5,7 +5,7 @@ held by its handles and by its live tensors' registry entries, so that it and
 the record die as soon as backward no longer needs the block). Which ops a
 replay runs, and running them, is ``_restore.replay``'s.
 
-RULES P1..P9: what a replay keeps.
+RULES P1..P10: what a replay keeps.
 
 P1. Only the recorded ops in the dependency closure of the requested value
     run, in recorded order, below autograd (no graph is built) with grad mode
@@ -52,6 +52,15 @@ P9. A value a budget stored (``_save.pack`` S4) is, while autograd holds it, rea
     at once when its budget kept every value it saved (nothing will be replayed). An
     outside tensor whose storage a budget offloaded in place is brought back by the
     freed-storage handlers before a handle is served from it (P3).
+    Served, a stored value is what a handle of it would be: a written tensor
+    raises as P3 says; a stored copy written since the save, its tensor gone,
+    raises PyTorch's in-place error if this backward pass handed it out (a
+    consumer wrote it, as P4 says of a cached value) or if its block was released,
+    and otherwise gives way to a replay of the value as saved (P2).
+P10. A backward pass that unpacks a block's value without building a graph (no
+    ``create_graph``) marks the block used once the pass has ended: a budget's step
+    then no longer waits for it, though a retained graph keeps its handles
+    (``_budget.budget`` M2).
 """
 
 from __future__ import annotations
@@ -125,6 +134,7 @@ def materialize(h: Handle) -> Tensor:
     t = h.var()
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
+    h.state.touched()
     t = value_in_memory(h.var, h.version) if h.check is None else None
     if t is not None and storage_freed(t) and not restore_freed(t):
         t = None  # emptied by someone we cannot ask (P9): replay it
@@ -200,12 +210,89 @@ class _Pass:
             del self.versions[key]
 
 
-class ReplayState:
+class _Stored:
+    """The part of a block's replay state that serves the values a budget stored (P9)
+    and tells a budget which blocks a finished pass used (P10)."""
+
+    __slots__ = ("kept", "handed", "touch", "used")
+    record: BlockRecord | None
+    lock: threading.RLock
+    handles: int
+    kept: dict[int, weakref.ref[Any]]
+    handed: tuple[int, set[int]]
+    touch: int
+    used: bool
+
+    def pending_backward(self) -> bool:  # (ReplayState's)
+        raise NotImplementedError
+
+    def replay(self, h: Handle) -> Tensor:  # (ReplayState's)
+        raise NotImplementedError
+
+    def release_if_done(self) -> None:  # (ReplayState's)
+        raise NotImplementedError
+
+    def awaited(self) -> bool:
+        """Whether a backward pass is still to use this block (P10)."""
+        return not self.used and self.pending_backward()
+
+    def touched(self) -> None:
+        """A value of this block is being unpacked (P10)."""
+        task = current_graph_task()
+        if task == -1 or task == self.touch or torch.is_grad_enabled():
+            return
+        self.touch = task
+        ref = weakref.ref(self)  # the engine must not keep the block alive
+
+        def end() -> None:
+            state = ref()
+            if state is not None:
+                state.used = True
+
+        queue_engine_callback(end)
+
+    def hand_out(self, var: Var) -> None:
+        """A stored value of ``var`` is handed to the current backward pass (P9)."""
+        task = current_graph_task()
+        with self.lock:
+            if self.handed[0] != task:
+                self.handed = (task, set())
+            self.handed[1].add(id(var))
+
+    def handed_out(self, var: Var) -> bool:
+        """Whether the current backward pass was handed a stored value of ``var``: if it
+        was written since, a consumer wrote it (P4, P9)."""
+        task, handed = self.handed
+        return task != -1 and task == current_graph_task() and id(var) in handed
+
+    def replay_saved(self, var: Var, version: int, view: ViewSpec | None) -> Tensor:
+        """``var``'s value as saved at ``version`` (``view`` of it), replayed (P2) for a
+        stored value that no longer holds it (P9)."""
+        h = _Saved(var, version, view)
+        value = self.replay(h)  # type: ignore[arg-type]
+        if view is not None:
+            with _recorder.paused(), below_autograd():
+                value = view.apply(value)
+        return value
+
+    def release_all_kept(self) -> bool:
+        """P9: a closed block with no handle, whose budget kept every value it saved, is
+        released now. True if it was."""
+        with self.lock:
+            record = self.record
+            if self.handles or record is None or record.open:
+                return False
+            self.kept = {}
+            self.release_if_done()
+            return self.record is None
+
+
+class ReplayState(_Stored):
     """Replay bookkeeping of one block: its pending handles, the current pass's
     cache, what replay derives from its record. Only this class writes them, under
     ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stored", "stats", "site", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stats", "site", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7)
@@ -219,21 +306,28 @@ class ReplayState:
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
-        # P9: values a budget stored (the Stored alias, weakly: autograd owns it), or
-        # offloaded (the packed object).
-        self.stored: dict[Var, weakref.ref[Any]] = {}
+        # P9: what a budget stored, by id (weakly: autograd owns it; each has ``var``,
+        # ``view`` and ``alias``, the stored tensor, or None where the pair below ours
+        # holds it), and what it offloaded (the packed object: no ``alias``).
+        self.kept: dict[int, weakref.ref[Any]] = {}
+        # The backward pass that last unpacked a stored value, and the Vars (by id: a Var
+        # refers to this state) whose stored values it handed out (P9: a consumer may
+        # write into one, as into a cached value).
+        self.handed: tuple[int, set[int]] = (-1, set())
+        self.touch = -1  # the last backward pass that unpacked a value of the block (P10)
+        self.used = False  # a pass that built no graph used the block and has ended (P10)
 
-    def note_stored(self, var: Var, alias: Any) -> None:
-        """``alias`` (held by autograd) is ``var``'s stored value, or its offloaded
-        packed object (P9)."""
+    def note_kept(self, kept: Any) -> None:
+        """``kept`` (held by autograd) stores one of this block's values, or is what
+        one was offloaded into (P9)."""
         with self.lock:
-            self.stored[var] = weakref.ref(alias, _on_stored_death(weakref.ref(self)))
+            self.kept[id(kept)] = weakref.ref(kept, _on_kept_death(weakref.ref(self), id(kept)))
 
     def pending_backward(self) -> bool:
         """Whether backward may still use this block: handles pending or values stored."""
         if self.record is None:
             return False
-        return self.handles > 0 or any(r() is not None for r in list(self.stored.values()))
+        return self.handles > 0 or bool(self.kept)
 
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
         """A pending handle standing for ``var`` saved at ``version`` (the save path
@@ -278,7 +372,7 @@ class ReplayState:
             ps = self._pass(task) if task != -1 else None
             if ps is None:
                 with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
-                    return replay(record, self.derived, var, _with_stored(self.stored, {}), (), self._stats(var))[0]
+                    return replay(record, self.derived, var, _with_kept(self.kept, {}), (), self._stats(var))[0]
             key = (var, len(var.root.writes))
             cached = ps.cache.get(key)
             if cached is not None:
@@ -288,8 +382,8 @@ class ReplayState:
                 return cached
             ps.drop_written()
             with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
-                cache = _with_stored(self.stored, ps.cache)
-                value, holds = replay(record, self.derived, var, cache, self._wanted(ps, h), self._stats(var))
+                cache = _with_kept(self.kept, ps.cache)
+                value, holds = replay(record, self.derived, var, cache, _wanted(ps, h), self._stats(var))
             for holder, key, v in holds:
                 ps.hold(holder, key, v)
             self._served(ps, h)
@@ -297,25 +391,6 @@ class ReplayState:
 
     def _stats(self, var: Var) -> ScopeStats:
         return var.frame.stats if self.stats is None else self.stats
-
-    @staticmethod
-    def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
-        """The values the other pending handles of the pass will ask for that are
-        neither cached nor in memory (P4), with the handle that will ask."""
-        out: list[tuple[Var, Handle]] = []
-        for ref in list(ps.pending.values()):
-            h2 = ref()
-            if h2 is None or h2 is h:
-                continue
-            n2 = h2.var
-            if (n2, len(n2.root.writes)) in ps.cache:
-                continue
-            # A value in memory serves h2 (P3), except with debug=True, which replays:
-            # then h2 shares this replay's value, as its tensor shares storage in plain.
-            if h2.check is None and value_in_memory(h2.var, h2.version) is not None:
-                continue
-            out.append((n2, h2))
-        return out
 
     def dropped(self, hid: int) -> None:
         """Handle ``hid`` died: it releases what it held in the current pass; once
@@ -331,26 +406,14 @@ class ReplayState:
                     self.current = None
             self.release_if_done()
 
-    def release_all_kept(self) -> bool:
-        """P9: a closed block with no handle, whose budget kept every value it saved, is
-        released now. True if it was."""
-        with self.lock:
-            record = self.record
-            if self.handles or record is None or record.open:
-                return False
-            self.stored = {}
-            self.release_if_done()
-            return self.record is None
-
     def release_if_done(self) -> None:
         """P7, P9: a closed block with no handle left and no stored value alive is
         released (call under ``lock``)."""
         record = self.record
         done = self.handles == 0 and record is not None and not record.open
-        if done and not any(r() is not None for r in self.stored.values()):
+        if done and not self.kept:
             self.record = self.current = None
             self.derived = Derived()
-            self.stored = {}
 
     # -- P4 bookkeeping
 
@@ -386,21 +449,53 @@ class ReplayState:
             self.current = None  # nothing left to serve in this pass: free the cache
 
 
-def _with_stored(
-    stored: dict[Var, weakref.ref[Any]], cache: dict[tuple[Var, int], Tensor]
-) -> dict[tuple[Var, int], Tensor]:
-    """``cache`` and the stored values still held by autograd (P9)."""
-    if not stored:
-        return cache
-    out = dict(cache)
-    for var, ref in stored.items():
-        t = ref()
-        if type(t) is Tensor and not var.root.writes and t._version == var.version:
-            out.setdefault((var, 0), t)
+def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
+    """The values the other pending handles of the pass will ask for that are
+    neither cached nor in memory (P4), with the handle that will ask."""
+    out: list[tuple[Var, Handle]] = []
+    for ref in list(ps.pending.values()):
+        h2 = ref()
+        if h2 is None or h2 is h:
+            continue
+        n2 = h2.var
+        if (n2, len(n2.root.writes)) in ps.cache:
+            continue
+        # A value in memory serves h2 (P3), except with debug=True, which replays:
+        # then h2 shares this replay's value, as its tensor shares storage in plain.
+        if h2.check is None and value_in_memory(h2.var, h2.version) is not None:
+            continue
+        out.append((n2, h2))
     return out
 
 
-def _on_stored_death(ref: weakref.ref[ReplayState]) -> Callable[[object], None]:
+class _Saved:
+    """What a replay of a stored value's value is asked for as (P9): a handle's
+    ``var`` and ``version``, pending in no pass (no ``__del__``: it is no handle)."""
+
+    __slots__ = ("var", "version", "view", "check")
+
+    def __init__(self, var: Var, version: int, view: ViewSpec | None) -> None:
+        self.var, self.version, self.view, self.check = var, version, view, None
+
+
+def _with_kept(
+    kept: dict[int, weakref.ref[Any]], cache: dict[tuple[Var, int], Tensor]
+) -> dict[tuple[Var, int], Tensor]:
+    """``cache`` and the stored values still held by autograd, as saved (P9)."""
+    if not kept:
+        return cache
+    out = dict(cache)
+    for ref in list(kept.values()):
+        k = ref()
+        if k is None or getattr(k, "alias", None) is None or k.view is not None:
+            continue  # gone, offloaded (no alias), held by the pair below ours, or a view
+        var: Var = k.var
+        if not var.root.writes and k.alias._version == var.version:
+            out.setdefault((var, 0), k.alias)
+    return out
+
+
+def _on_kept_death(ref: weakref.ref[ReplayState], key: int) -> Callable[[object], None]:
     """The callback of a stored value's weak reference: the last one may release its
     block (P9). Holds its state weakly (no reference cycle)."""
 
@@ -408,6 +503,7 @@ def _on_stored_death(ref: weakref.ref[ReplayState]) -> Callable[[object], None]:
         state = ref()
         if state is not None:
             with state.lock:
+                state.kept.pop(key, None)
                 state.release_if_done()
 
     return died

@@ -1,10 +1,10 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-RULES I1..I7: the hook pair's invariants.
+RULES I1..I8: the hook pair's invariants.
 
 I1. While a thread has an open block, a live block tensor or an open model
-    region (``_save.pack`` S5), exactly one pair of ours is on its hook stack,
+    region (``_save.pack`` S6), exactly one pair of ours is on its hook stack,
     innermost unless a context was entered after it; when it has none of them,
     at the next safe point (I4), the pair leaves and the stack is exactly what it
     would be without the scope. Blocks and regions are numbered in one sequence
@@ -45,18 +45,27 @@ I7. Inside a backward pass (a checkpoint's recomputation, a custom backward)
     also when the pass raises: then the callback is dropped unrun, and
     releases as it dies). Without it, a scope whose blocks run only inside
     passes would leave the patches installed: no sweep outside a pass follows.
+I8. When the last tensor of the main thread's blocks dies in another thread (a
+    worker ran backward), the main thread removes its pair at its next bytecode
+    boundary (a pending call, ``_base.main_thread``), unless it is then inside a
+    backward pass (the wrapper of I4 sweeps when it returns) or in code that edits
+    the stack or enters a scope (then at the boundary after). Another thread's pair
+    waits for that thread's next safe point: its next scope, backward or grad call,
+    or torch.func call (I6 sweeps first).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .._base.main_thread import call_in_main_thread
 from .._base.torch_compat import (
     HookPair,
     current_graph_task,
@@ -66,13 +75,14 @@ from .._base.torch_compat import (
     queue_engine_callback,
     saved_hooks_disabled_message,
     saved_hooks_enabled,
+    skip_dynamo,
     top_saved_hooks,
 )
 from .._record import recorder as _recorder
 from .._record import registry as _registry
 from . import pack as _pack
 
-__all__ = ["ensure_on_top", "sweep", "next_serial"]
+__all__ = ["ensure_on_top", "sweep", "next_serial", "add_unsafe_file"]
 
 _serials = itertools.count(1)
 
@@ -210,6 +220,7 @@ TORCH_FUNC_HINT = (
 def _explaining_refusal(inner: Callable[[str], None]) -> Callable[[str], None]:
     @functools.wraps(inner)
     def disable(message: str) -> None:
+        sweep()  # a pair that nothing needs any more (I8) leaves first
         try:
             inner(message)
         except RuntimeError as e:
@@ -330,8 +341,22 @@ class _PassEnd:
         _release(self.st, self.task)
 
 
+_dynamo_told = False
+
+
+def _skip_dynamo() -> None:
+    """Tell dynamo never to trace our hooks, nor what they call (replays): a compiled
+    function's saves call them while dynamo compiles the frames it enters."""
+    global _dynamo_told
+    _dynamo_told = True
+    skip_dynamo(_Pack.__call__.__code__)
+    skip_dynamo(_unpack.__code__)
+
+
 def ensure_on_top(serial: int) -> None:
     """Make our pair the innermost one in this thread: block ``serial`` starts."""
+    if not _dynamo_told:
+        _skip_dynamo()
     if not saved_hooks_enabled():
         raise RuntimeError(
             "recompute_scope cannot run here: saved-tensor hooks are disabled "
@@ -365,10 +390,39 @@ def sweep() -> None:
     _release(st, -1)
 
 
+_MAIN = threading.main_thread().ident
+# Files whose code edits the stack, or runs between a push of our pair and the opening
+# of its block (a scope's entry): I8 waits until the main thread is out of them.
+_unsafe_files = {__file__}
+
+
+def add_unsafe_file(path: str) -> None:
+    """Tell I8 that code in ``path`` may run between a push of our pair and the opening
+    of its block (a scope's entry)."""
+    _unsafe_files.add(path)
+
+
 def _on_empty(lg: _registry.Ledger) -> None:
-    # Called where the last tensor died: any thread, any point (I4).
+    # Called where the last tensor died: any thread, any point (I4). Died in another
+    # thread than the ledger's: the main thread sweeps at its next bytecode boundary (I8).
     if lg.ident == threading.get_ident():
         sweep()
+    elif lg.ident == _MAIN:
+        call_in_main_thread(_sweep_main)
+
+
+def _sweep_main() -> None:
+    """I8: in the main thread, between two of its bytecodes."""
+    st: _Thread | None = getattr(_tls, "st", None)
+    if st is None or not st.outside or current_graph_task() != -1 or _needed():
+        return  # nothing to do, or later: a backward's end sweeps, a block's last tensor calls again
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_code.co_filename not in _unsafe_files:
+        f = f.f_back
+    if f is not None or st.busy:  # editing the stack, or entering a scope: at the next boundary
+        call_in_main_thread(_sweep_main)
+        return
+    sweep()
 
 
 _registry.add_empty_listener(_on_empty)

@@ -7,7 +7,8 @@ S1. A block tensor, or a view of one, saved while our pair applies to its
     be stored: its block's record is released (P7), another member of its
     storage group may be written unseen (P8), or it changed in a way the block
     did not record (its data swapped, or a write after the block).
-S2. Anything else goes to the pair below ours, exactly as without the scope.
+S2. Anything else goes to the pair below ours, exactly as without the scope (its
+    pack is not recorded: it is not the block's computation).
     With no pair below it is stored as autograd stores it: the tensor itself
     (``saved is t`` when it does not require grad, as without hooks; a later
     ``.data = ...`` is seen), but an output of the node that saves it, or what
@@ -16,18 +17,26 @@ S2. Anything else goes to the pair below ours, exactly as without the scope.
     checked at unpack: hooks switch PyTorch's own in-place check off.
 S3. Packing never reads the data of the tensor it packs: some kernels save an
     argument before they write it.
-S4. A block tensor its frame's ``store`` decision (a memory budget's plan) picks
-    is kept as in S2 -- handed to the pair below ours if there is one, else stored
-    -- and its replay state is told, so that replays of other values read it instead
-    of recomputing it (``_restore.handles`` P9). A decision to offload is a callable
-    that makes the packed object (the budget's offload engine); it applies when no
-    pair is below ours, or only a transparent one (a report, which counts and hands
-    on), and is kept as above when the callable declines. Listeners hear of what
-    is offloaded as of handles.
+S4. A block tensor that could be a handle (S1) and that its frame's ``store``
+    decision (a memory budget's plan) picks is stored exactly as in S2 (the pair
+    below ours gets it, where there is one), and served as its handle would be:
+    the tensor itself where autograd would keep it and its data was swapped
+    (``.data = ...``), PyTorch's in-place error where the tensor itself was written,
+    a replay of the value as saved where the stored copy was written after the save
+    and the tensor is gone (``_restore.handles`` P9). A plan changes what is kept,
+    never what a program computes or raises. Its replay state is told, so that
+    replays of other values read it instead of recomputing it (P9). A decision to
+    offload is a callable that makes the packed object (the budget's offload
+    engine, which checks versions as a handle does); it applies when no pair is
+    below ours, or only a transparent one (a report, which counts and hands on), and
+    the value is stored as above when the callable declines. Listeners hear of what
+    is offloaded as of handles. With ``debug=True`` the plan is not followed: every
+    value is a checked handle (``check`` keeps the saved tensor, so memory is what
+    storing it would hold).
 S5. While a thread runs a block in its steady state (``_adapters.steady``: the
     block's ops run without the recorder), the saves of that run go to the run's
     sequencer, which knows from the block's template what the n-th save is; it
-    decides S1..S4 for the block's own tensors (S4 by :func:`kept_by_budget`) and
+    decides S1..S4 for the block's own tensors (S4 by :func:`store_chosen`) and
     hands every other save back to :func:`pack_as_usual`.
 S6. A tensor that is not a block's, saved while a model region of this thread is
     open (a model-level budget's forward), is shown to the region's innermost
@@ -53,12 +62,14 @@ from .._record.types import Input, Var, ViewSpec, moved
 __all__ = [
     "pack",
     "pack_as_usual",
-    "kept_by_budget",
+    "store_chosen",
     "unpack",
     "add_pack_listener",
+    "add_store_listener",
     "notify_listeners",
     "may_be_new_output",
     "Stored",
+    "Kept",
     "Foreign",
     "Sequencer",
     "sequencing",
@@ -82,6 +93,21 @@ def add_pack_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
     def remove() -> None:
         if fn in _listeners:
             _listeners.remove(fn)
+
+    return remove
+
+
+_store_listeners: list[Callable[[Tensor, Any], None]] = []
+
+
+def add_store_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
+    """Call ``fn(tensor, owner)`` each time a budget's plan stores a block tensor (S4):
+    ``owner`` is its block's replay state. Returns a function that removes it."""
+    _store_listeners.append(fn)
+
+    def remove() -> None:
+        if fn in _store_listeners:
+            _store_listeners.remove(fn)
 
     return remove
 
@@ -166,8 +192,9 @@ def may_be_new_output(t: Tensor) -> bool:
     return node_sequence_nr(g) == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
 
 
-def _handle(entry: Entry, t: Tensor, view: ViewSpec | None) -> Any:
-    """A handle for ``t`` (a block tensor, or ``view`` of one), or None to store it (S1)."""
+def _replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
+    """``t``'s Var if a replay rebuilds ``t`` (a block tensor, or ``view`` of one) as
+    autograd saves it now, else None: it must be stored (S1)."""
     var: Var = entry  # type: ignore[assignment]  # only Vars are registered
     root = var.root
     if isinstance(root, Input):
@@ -183,16 +210,21 @@ def _handle(entry: Entry, t: Tensor, view: ViewSpec | None) -> Any:
     base = t if view is None else t._base
     if base is not None and moved(var, base):
         return None  # its data was swapped after the block (`.data = ...`)
-    v = t._version
     writes = root.writes
-    if v != (writes[-1][1] if writes else var.version):
+    if t._version != (writes[-1][1] if writes else var.version):
         return None  # changed by something the block did not record (e.g. after it)
+    return var
+
+
+def _handle(var: Var, t: Tensor, view: ViewSpec | None) -> Any:
+    """S1: a handle for ``t``, ``var``'s tensor or ``view`` of it."""
+    owner = var.frame.owner
     new_output = may_be_new_output(t)
     # debug=True compares the value at unpack with what autograd itself would hand back.
     check = None
-    if var.frame.debug and var not in record.scratch:
+    if var.frame.debug and var not in owner.record.scratch:
         check = t.detach() if new_output else t
-    return new_handle(owner, var.frame.stats, var, t, v, view, check, view is None and not new_output)
+    return new_handle(owner, var.frame.stats, var, t, t._version, view, check, view is None and not new_output)
 
 
 def new_handle(
@@ -208,11 +240,48 @@ def new_handle(
     return h
 
 
+def store_chosen(
+    decision: Any,
+    owner: Any,
+    var: Var,
+    t: Tensor,
+    view: ViewSpec | None,
+    below: HookPair | None,
+    version: int | None = None,
+) -> Any:
+    """S4: ``t`` (``var``'s tensor or ``view`` of it) as its frame's ``store`` ``decision``
+    chose: offloaded, or stored as S2 stores it. ``owner``, its block's replay state,
+    lives while it does and reads a stored value instead of recomputing it (P9).
+    ``version``: what a replay of it is checked against (P2; default ``t``'s)."""
+    if decision is not True and _may_take(below):
+        packed = decision(var, t)
+        if packed is not None:
+            owner.note_kept(packed)  # replays do not read it: it has no ``alias``
+            for fn in _listeners:
+                fn(t, packed)
+            return packed
+    inner = _below(below, t) if below is not None else Stored(t, True, alias=True)
+    kept = Kept(inner, owner, var, t, view, t._version if version is None else version)
+    owner.note_kept(kept)
+    for fn in _store_listeners:
+        fn(t, owner)
+    return kept
+
+
 def store_as_usual(below: HookPair | None, t: Tensor, made_by_block: bool) -> Any:
     """S2: ``t`` to the pair below ours, or stored as autograd stores it."""
     if below is not None:
-        return Foreign(below[1], below[0](t))
+        return _below(below, t)
     return Stored(t, made_by_block)
+
+
+def _below(below: HookPair, t: Tensor) -> Foreign:
+    """What the pair below ours makes of ``t`` (S2). Its pack runs unrecorded: what it
+    computes (a copy to the host, a detach) is not the block's computation, and a
+    tensor it made would count as a live block tensor."""
+    with _recorder.paused():
+        packed = below[0](t)
+    return Foreign(below[1], packed)
 
 
 class Stored:
@@ -220,11 +289,12 @@ class Stored:
 
     __slots__ = ("t", "version")
 
-    def __init__(self, t: Tensor, made_by_block: bool) -> None:
+    def __init__(self, t: Tensor, made_by_block: bool, alias: bool = False) -> None:
         self.version = t._version
-        # A block tensor (or a view of one) is never kept itself: its liveness is what
-        # tells the block which of its tensors are still in memory (P3, P8).
-        if not t.requires_grad or not (made_by_block or may_be_new_output(t)):
+        # A block tensor (or a view of one) that requires grad is never kept itself:
+        # its liveness is what tells the block which of its tensors are still in
+        # memory (P3, P8). ``alias``: not even one that does not (S4).
+        if not alias and (not t.requires_grad or not (made_by_block or may_be_new_output(t))):
             self.t = t
         elif type(t) is Tensor or type(t) is torch.nn.Parameter:
             with without_python_dispatch():  # no mode needs to see this detach
@@ -238,6 +308,47 @@ class Stored:
         if t._version != self.version:
             raise inplace_error(f"{t.type()} {list(t.shape)}", self.version, t._version)
         return t
+
+
+class Kept:
+    """A block tensor a budget's plan stores (S4): ``inner`` keeps it as S2 would (a
+    :class:`Stored`, or a :class:`Foreign` made by the pair below ours), and it is served
+    as its handle would be. ``owner``: its block's replay state."""
+
+    __slots__ = ("inner", "alias", "owner", "var", "version", "replay_version", "view", "itself", "__weakref__")
+
+    def __init__(
+        self, inner: Stored | Foreign, owner: Any, var: Var, t: Tensor, view: ViewSpec | None, replay_version: int
+    ) -> None:
+        self.inner = inner
+        self.alias = inner.t if type(inner) is Stored else None  # P9: what replays may read
+        self.owner = owner
+        self.var = var
+        self.version = t._version
+        self.replay_version = replay_version
+        self.view = view
+        self.itself = view is None and not may_be_new_output(t)  # autograd would keep t itself
+
+    def unpack(self) -> Tensor:
+        var, owner = self.var, self.owner
+        t: Tensor | None = var()
+        if t is not None and t._version != self.version:  # as a handle does (P3)
+            raise inplace_error(f"{t.type()} {list(t.shape)}", self.version, t._version)
+        owner.touched()
+        if t is not None and self.itself and moved(var, t):
+            with _recorder.paused():  # autograd's saved input sees the swap (`.data = ...`)
+                return t.detach()
+        alias = self.alias
+        if alias is not None and alias._version != self.version:
+            # Written by a consumer of this backward pass, or nothing left to replay it
+            # from (its block kept every value and was released, P9): as without hooks.
+            if owner.handed_out(var) or owner.record is None:
+                raise inplace_error(var.describe(), self.version, alias._version)
+            value: Tensor = owner.replay_saved(var, self.replay_version, self.view)
+            return value
+        if alias is not None:
+            owner.hand_out(var)
+        return self.inner.unpack()
 
 
 class Foreign:
@@ -279,13 +390,12 @@ def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
         frame = entry.frame
-        if frame.store is not None:
-            decision = frame.store(entry, t)
-            if decision:
-                return kept_by_budget(decision, entry, t, view is None, below, frame.owner)  # S4
-        h = _handle(entry, t, view)  # S1
-        if h is not None:
-            return h
+        store = frame.store(entry, t) if frame.store is not None else False  # asked for every save (M3)
+        var = _replayable(entry, t, view)
+        if var is not None:
+            if store and not frame.debug:
+                return store_chosen(store, frame.owner, var, t, view, below)  # S4
+            return _handle(var, t, view)  # S1
     stack = getattr(_regions, "stack", None)
     if stack and entry is None:
         packed = stack[-1](t, _may_take(below))  # S6
@@ -294,28 +404,6 @@ def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
                 notify_listeners(t, packed)
             return packed
     return store_as_usual(below, t, made_by_block)
-
-
-def kept_by_budget(decision: Any, entry: Any, t: Tensor, whole: bool, below: HookPair | None, owner: Any) -> Any:
-    """S4: what a block tensor its budget keeps or offloads becomes (``entry``: its Var;
-    ``whole``: ``t`` is the Var's tensor, not a view of it; ``owner``: the block's replay
-    state)."""
-    if decision is not True and _may_take(below):
-        packed = decision(entry, t)
-        if packed is not None:
-            if owner is not None:
-                owner.note_stored(entry, packed)  # the block lives while it does (P9)
-            for fn in _listeners:
-                fn(t, packed)
-            return packed
-    if below is not None:
-        if whole and owner is not None:
-            owner.note_stored(entry, t)
-        return Foreign(below[1], below[0](t))
-    stored = Stored(t, True)
-    if whole and owner is not None:
-        owner.note_stored(entry, stored.t)
-    return stored
 
 
 def unpack(packed: Any) -> Tensor:

@@ -25,6 +25,17 @@ checked by the same op, or autograd's check of another one raises first.
    :class:`RecomputeError` that names the first input written since the forward. The
    backward graph returns no gradient before it has run, so a write the version
    counter sees never reaches a gradient.
+4. Which inputs the backward reads is known for sure only once the partitioner has
+   chosen what to save: besides what the joint graph shows (a block's recomputation, a
+   backward op), it may save a parameter to recompute a cheap op outside the blocks
+   itself (``gelu(h + bias)``). AOTAutograd's ``_extract_fwd_bwd_modules``, which every
+   partitioner calls with the values it saves, is wrapped: the parameters and buffers
+   (or views of them) among those values join the two ops' lists before the graphs
+   are cut. And ``functionalize_rng_ops`` is wrapped: it appends the RNG states of the
+   random ops the backward replays after the tensors saved without a check, where
+   AOTAutograd, which counts those by their nodes' meta, would take the last of them
+   for RNG states (and check the first of ours); it marks the RNG states too. Both
+   wrappers act only on graphs with these ops.
 
 Inputs the graph writes itself (:mod:`._compile_inputs`) keep autograd's check:
 their versions move during the call. Nothing changes (the inputs keep autograd's check
@@ -41,10 +52,15 @@ the backward one compares them; N = the parameters and buffers checked): about
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import operator
 import re
 import sys
+from typing import Any
 
 import torch
+import torch._functorch.partitioners as _partitioners
 
 from ..._base.errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError
 from .inputs import caller_locals, is_alias, written_inputs
@@ -57,6 +73,7 @@ __all__ = ["guard_input_versions"]
 _PARTITION = "_partition_joint_graph_into_fw_bw"
 _SIMPLIFIED = "aot_module_simplified"
 _NO_VC_CHECK = "saved_tensor_with_no_vc_check"
+_CANDIDATE = "gradient_scope_input_name"  # a parameter or buffer that may be checked: its name
 
 
 # Plain dispatcher ops with Python kernels (torch.library.custom_op adds ~60 us of
@@ -115,6 +132,35 @@ torch.fx.node.has_side_effect(_CHECK)
 torch.fx.node.has_side_effect(_VERSIONS)  # keeps it in the forward graph (see above)
 
 
+def _rng_states_counted(functionalize: Any) -> Any:
+    """Wrap AOTAutograd's ``functionalize_rng_ops`` (torch/_functorch/partitioners.py).
+
+    It appends the RNG states of the random ops the backward recomputes to the forward's
+    saved tensors *after* those saved without a version check, and AOTAutograd counts
+    the ones saved without a check by their nodes' meta: then the first ``k`` of ours (k
+    RNG states) would be saved with autograd's check, which raises PyTorch's error
+    before our check names the parameter. Where the forward saves tensors of ours, its
+    RNG states are marked to be saved without a check as well (nobody writes them)."""
+
+    @functools.wraps(functionalize)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        fw, bw = functionalize(*args, **kwargs)
+        outputs = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        nodes = [n for n in outputs if isinstance(n, torch.fx.Node)]
+        if any(n.meta.get(_NO_VC_CHECK) for n in nodes):
+            for n in nodes:
+                src = n.args[0] if n.target is operator.getitem and n.args else None
+                if isinstance(src, torch.fx.Node) and src.target is _RUN_AND_SAVE_RNG:
+                    n.meta[_NO_VC_CHECK] = True
+        return fw, bw
+
+    wrapper.__gradient_scope__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_RUN_AND_SAVE_RNG = getattr(getattr(getattr(torch, "_prims", None), "rng_prims", None), "run_and_save_rng_state", None)
+
+
 def _message(t: torch.Tensor, name: str, before: int | None = None, now: int | None = None) -> str:
     weight = isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
     what = f"{'parameter' if weight else 'tensor'} {name + ' ' if name else ''}of shape {list(t.shape)} ({t.dtype})"
@@ -133,9 +179,13 @@ def _message(t: torch.Tensor, name: str, before: int | None = None, now: int | N
 
 
 def _source_name(source: str) -> str:
-    """``L['self']._modules['lin']._parameters['weight']`` -> ``self.lin.weight``."""
+    """``L['self']._modules['lin']._parameters['weight']`` -> ``self.lin.weight``
+    (``L['args'][0]...`` -> ``self...`` too)."""
     name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
-    return re.sub(r"^[LG]\['([^']*)'\]", r"\1", name)
+    name = re.sub(r"^[LG]\['([^']*)'\]", r"\1", name)
+    # A forward wrapped by a decorator taking ``*args`` (transformers' models) gets its
+    # module as args[0]: the method's self.
+    return re.sub(r"^args\[0\]\.", "self.", name)
 
 
 def _input_names(primals: list[torch.fx.Node]) -> list[str]:
@@ -176,6 +226,17 @@ def _read_in_backward(node: torch.fx.Node, backward: set[torch.fx.Node]) -> bool
     return False
 
 
+def _aliases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """``node`` and the views of it (following views of views)."""
+    out, stack = [node], [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op == "call_function" and is_alias(user) and user not in out:
+                out.append(user)
+                stack.append(user)
+    return out
+
+
 def _cudagraphs_on() -> bool:
     """Whether inductor compiles this graph for CUDA graphs (``mode="reduce-overhead"``),
     which would replay a captured graph without running the version ops' Python."""
@@ -185,7 +246,8 @@ def _cudagraphs_on() -> bool:
 
 def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> int:
     """Check, in the backward, the versions of the parameters and buffers the backward
-    reads (see the module docstring); returns how many are checked."""
+    reads (see the module docstring); returns how many are checked so far (the
+    partitioner may add the ones it saves for its own recomputations: step 4)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -198,30 +260,83 @@ def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node])
     if info is None or static is None or len(info) != len(primals) or not tangents or _cudagraphs_on():
         return 0  # unknown inputs, no backward, or CUDA graphs: autograd's check stays
     written = written_inputs(gm, list(info))
-    guarded = [
-        p
-        for i, p in enumerate(primals)
-        if i in static and p not in written and isinstance(p.meta.get("val"), FakeTensor)
-        if _read_in_backward(p, backward)
-    ]
+    candidates = [p for i, p in enumerate(primals) if i in static and p not in written]
+    candidates = [p for p in candidates if isinstance(p.meta.get("val"), FakeTensor)]
     bw_nodes = [n for n in gm.graph.nodes if n in backward and n.op != "placeholder"]
-    if not guarded or not bw_nodes:
+    if not candidates or not bw_nodes:
         return 0
     names = _input_names(primals)
-    text = "\n".join(names[primals.index(p)] for p in guarded)
+    for p in candidates:
+        p.meta[_CANDIDATE] = names[primals.index(p)]
+    guarded = [p for p in candidates if _read_in_backward(p, backward)]
     graph = gm.graph
     with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-        versions = graph.call_function(_VERSIONS, (guarded, text))
-    with guarded[0].meta["val"].fake_mode:
-        versions.meta["val"] = torch.empty(len(guarded), dtype=torch.int64)
+        versions = graph.call_function(_VERSIONS, ([], ""))
     versions.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     with graph.inserting_before(bw_nodes[0]):
-        check = graph.call_function(_CHECK, (tangents[0], versions, guarded, text))
+        check = graph.call_function(_CHECK, (tangents[0], versions, [], ""))
     check.meta["val"] = None
     backward.add(check)
     versions.meta["partitioner_tag"] = "is_forward"
     check.meta["partitioner_tag"] = "is_backward"
-    for node in (*guarded, versions):
-        node.meta[_NO_VC_CHECK] = True
+    versions.meta[_NO_VC_CHECK] = True
+    _guard(versions, check, guarded)
     gm.recompile()
     return len(guarded)
+
+
+def _guard(versions: torch.fx.Node, check: torch.fx.Node, guarded: list[torch.fx.Node]) -> None:
+    """Make the version ops read ``guarded`` (views saved in their place are read by the
+    check: a view shares its base's version counter), saved without autograd's check."""
+    roots = [_root(n) for n in guarded]
+    text = "\n".join(r.meta[_CANDIDATE] for r in roots)
+    versions.args = (roots, text)
+    check.args = (check.args[0], versions, guarded, text)
+    fake = next((r.meta["val"] for r in roots), None)
+    with fake.fake_mode if fake is not None else contextlib.nullcontext():
+        versions.meta["val"] = torch.empty(len(roots), dtype=torch.int64)
+    for root in roots:
+        for node in _aliases(root):  # saved with autograd's check, a view would raise first
+            node.meta[_NO_VC_CHECK] = True
+
+
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The graph input ``node`` is (a view of)."""
+    while node.op == "call_function" and is_alias(node) and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _saved_inputs_guarded(extract: Any) -> Any:
+    """Wrap AOTAutograd's ``_extract_fwd_bwd_modules`` (torch/_functorch/partitioners.py),
+    which every partitioner calls with the values it has chosen to save (step 4): a
+    parameter or buffer it saves for the backward -- for a recomputation of its own
+    outside the blocks, say -- is checked too. In a graph without our version ops,
+    nothing changes."""
+
+    @functools.wraps(extract)
+    def wrapper(joint_module: torch.fx.GraphModule, saved_values: list[Any], *args: Any, **kwargs: Any) -> Any:
+        ops = {n.target: n for n in joint_module.graph.nodes if n.target in (_VERSIONS, _CHECK)}
+        versions, check = ops.get(_VERSIONS), ops.get(_CHECK)
+        if versions is not None and check is not None:
+            guarded = list(check.args[2])
+            for v in saved_values:
+                if v not in guarded and _CANDIDATE in _root(v).meta and v is not versions:
+                    guarded.append(v)
+            if guarded:
+                _guard(versions, check, guarded)
+            else:  # nothing to check: no ops
+                saved_values = [v for v in saved_values if v is not versions]
+                joint_module.graph.erase_node(check)
+                joint_module.graph.erase_node(versions)
+        return extract(joint_module, saved_values, *args, **kwargs)
+
+    wrapper.__gradient_scope__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+_PATCHES = (("functionalize_rng_ops", _rng_states_counted), ("_extract_fwd_bwd_modules", _saved_inputs_guarded))
+for _name, _wrap in _PATCHES:
+    _fn = getattr(_partitioners, _name, None)
+    if callable(_fn) and not getattr(_fn, "__gradient_scope__", False):
+        setattr(_partitioners, _name, _wrap(_fn))

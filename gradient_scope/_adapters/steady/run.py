@@ -68,12 +68,12 @@ from ..._record.signature import Slots, signature
 from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
 from ..._restore.handles import ReplayState
 from ..._save.pack import (
-    kept_by_budget,
     may_be_new_output,
     new_handle,
     pack_as_usual,
     sequencing,
     store_as_usual,
+    store_chosen,
 )
 from .capture import NodeValues, locate, take, with_extra_outputs
 from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
@@ -391,7 +391,7 @@ class _Sequencer:
         if frame.store is not None:
             decision = frame.store(var, t)
             if decision:  # S4: kept or offloaded, as a recorded block's
-                return kept_by_budget(decision, var, t, p.view is None, below, self.state)
+                return store_chosen(decision, self.state, var, t, p.view, below, version)
         return new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)  # S1
 
     def _own(self, tv: Var, t: Tensor) -> Var:
