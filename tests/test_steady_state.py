@@ -406,3 +406,35 @@ def test_a_template_belongs_to_its_save_option_not_to_its_id(fast, monkeypatch):
             counted[setting] = gradient_scope.model_stats(model)
         assert counted["0"] == counted["1"], (i, policy)
         del policy, model
+
+
+class _ViewBlock(nn.Module):
+    """Saves a view of its input (``mul`` saves ``x[..., :8]``): autograd keeps that
+    input too, which a budget counts (N2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) + (x[..., :8] * 2.0).repeat(1, 1, 2) * x[..., 8:].sigmoid().repeat(1, 1, 2)
+
+
+def test_a_budget_measured_in_steady_runs_plans_what_a_recorded_run_plans(fast, monkeypatch):
+    x = torch.randn(4, 8, 16, requires_grad=True)
+
+    def planned(budget_bytes):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(_ViewBlock() for _ in range(3)))
+        budget = Budget(budget_bytes)
+        apply_recompute(model, check_fn=_ViewBlock, budget=budget)
+        for seed in range(3):
+            _step(model, x, seed)
+        return budget.floor_bytes, budget.planned_bytes
+
+    planned("1GiB")  # the layer's template is made here: the next model runs bound from it
+    steady_runs = len(fast)
+    in_steady = planned("1GiB"), planned(6000)
+    assert len(fast) > steady_runs
+    monkeypatch.setenv("GRADIENT_SCOPE_FAST", "0")
+    assert in_steady == (planned("1GiB"), planned(6000))

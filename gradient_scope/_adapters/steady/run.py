@@ -372,6 +372,9 @@ class _Sequencer:
         if p.kind == OTHER:
             out = pack_as_usual(below, serial, t)
         elif p.kind == KEEP:
+            store = self.frame.store
+            if store is not None and p.var is not None:
+                store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
             out = store_as_usual(below, t, True)
         else:
             out = self._block_save(p, t, below)
