@@ -438,3 +438,24 @@ def test_a_budget_measured_in_steady_runs_plans_what_a_recorded_run_plans(fast, 
     assert len(fast) > steady_runs
     monkeypatch.setenv("GRADIENT_SCOPE_FAST", "0")
     assert in_steady == (planned("1GiB"), planned(6000))
+
+
+def test_a_context_policy_keeps_the_block_recorded(fast):
+    """A context policy reads the running module of each op call, which a captured
+    graph does not have (D1): its blocks are recorded, and it sees the model's paths."""
+    from gradient_scope.policies import context_policy
+
+    seen = set()
+
+    @context_policy
+    def look(ctx):
+        seen.add(ctx.module_path)
+        return False
+
+    plain, scoped = _model(2), _model(2)
+    apply_recompute(scoped, check_fn=Block, save=look)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    for seed in range(3):
+        assert _same(_step(plain, x, seed), _step(scoped, x, seed)), f"step {seed}"
+    assert len(fast) == 0
+    assert {"0.fc1", "1.fc2"} <= seen and not any("GraphModule" in p for p in seen)

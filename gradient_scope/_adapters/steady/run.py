@@ -15,8 +15,10 @@ dispatch stack and bind their record from the template instead (rules D1..D5).
 RULES D1..D5: when a block runs in its steady state.
 
 D1. Only a function-form scope, entered outside any open block and outside
-    backward, with grad mode on, ``debug=False``, and no TorchDispatchMode,
-    TorchFunctionMode or global module hook active, and only while
+    backward, with grad mode on, ``debug=False``, a ``save=`` that is not a context
+    policy (it reads the running module and region of each op call, which a captured
+    graph does not have), and no TorchDispatchMode, TorchFunctionMode or global
+    module hook active, and only while
     ``GRADIENT_SCOPE_FAST`` allows it: ``1`` always, ``0`` never, unset when an
     argument of the function is a CUDA tensor (where host time is the bottleneck;
     on CPU the first call's compile costs more than it saves).
@@ -75,6 +77,7 @@ from ..._save.pack import (
     store_as_usual,
     store_chosen,
 )
+from ...policies import ContextPolicy
 from .capture import NodeValues, locate, take, with_extra_outputs
 from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
 
@@ -91,7 +94,7 @@ _RETIRED = object()  # a template that diverged (D3)
 def _wanted(scope: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """D1, before the scope is entered."""
     setting = os.environ.get("GRADIENT_SCOPE_FAST", "")
-    if setting == "0" or scope._options["debug"]:
+    if setting == "0" or scope._options["debug"] or isinstance(scope._save, ContextPolicy):
         return False
     if setting != "1" and not any(type(a) is Tensor and a.is_cuda for a in (*args, *kwargs.values())):
         return False
