@@ -151,11 +151,7 @@ def diff_table(
         cols(("activations", *pad), ta.activation, ta.recomputable, tb.activation, tb.recomputable),
         cols(("params", *pad), ta.param, 0, tb.param, 0),
         cols(("held by scopes", *pad), ta.held_by_scopes, 0, tb.held_by_scopes, 0),
-        *(
-            [cols(("offloaded", *pad), ta.offloaded, 0, tb.offloaded, 0)]
-            if ta.offloaded or tb.offloaded
-            else []
-        ),
+        *([cols(("offloaded", *pad), ta.offloaded, 0, tb.offloaded, 0)] if ta.offloaded or tb.offloaded else []),
         cols(
             ("kept in all", *pad),
             ta.activation + ta.param + ta.held_by_scopes + ta.offloaded,
