@@ -459,3 +459,23 @@ def test_a_context_policy_keeps_the_block_recorded(fast):
         assert _same(_step(plain, x, seed), _step(scoped, x, seed)), f"step {seed}"
     assert len(fast) == 0
     assert {"0.fc1", "1.fc2"} <= seen and not any("GraphModule" in p for p in seen)
+
+
+def test_a_budget_that_offloads_applies_to_steady_runs(fast):
+    """The CUDA default path: steady runs whose budget offloads (the host-copy stand-in
+    plays the device on CPU) give plain's gradients and offload what the plan says."""
+    from gradient_scope._budget.rates import Rates, pinned_rates
+    from gradient_scope._budget.streams import host_copy_stand_in
+
+    plain, scoped = _model(4), _model(4)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    rates = Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)
+    with pinned_rates("cpu", rates), host_copy_stand_in() as backend:
+        budget = Budget("32KiB", offload=True)  # above the floor (about 20 KB): keeps, offloads, recomputes
+        apply_recompute(scoped, check_fn=Block, budget=budget)
+        for seed in range(4):
+            assert _same(_step(plain, x, seed), _step(scoped, x, seed)), f"step {seed}"
+        assert budget.offloaded_bytes and budget.planned_bytes <= budget.bytes
+        assert {op.how for op in budget.stored_ops()} == {"kept", "offloaded", "recomputed"}
+        assert backend.copies > 0 and backend.pending() == 0
+    assert len(fast) > 0
