@@ -1,5 +1,5 @@
 """A budget at run time: its steps, blocks and regions, its cached plans, its offload
-engine (M1..M7 in ``_budget.budget``; ``Budget`` is the public face of a :class:`Run`)."""
+engine (M1..M8 in ``_budget.budget``; ``Budget`` is the public face of a :class:`Run`)."""
 
 from __future__ import annotations
 

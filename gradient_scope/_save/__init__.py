@@ -4,6 +4,6 @@
   block tensor lives; the only module that edits PyTorch's hook stack or patches PyTorch
   (RULES I1..I8: the hook pair's invariants).
 - ``pack`` -- the pack hook: a handle that stands for a block tensor, the tensor stored as
-  autograd stores it, or what the pair below ours makes (RULES S1..S5: what a save
+  autograd stores it, or what the pair below ours makes (RULES S1..S6: what a save
   becomes).
 """
