@@ -1,0 +1,125 @@
+"""Differential fuzzing of the steady state (``_adapters.steady``): random functions of
+tensors, run by ``gradient_scope.checkpoint`` with ``GRADIENT_SCOPE_FAST=1`` for several
+steps -- new values, the same Python constants or changed ones, a branch taken or not --
+against the same function without a scope, same seeds: losses and gradients bitwise equal
+at every step, and at least one step of every program bound from its template (a steady
+run) unless dynamo cannot capture the function.
+
+A program is straight-line Python source (elementwise and matmul ops, views, in-place
+writes to intermediates, dropout, softmax, layer norm, a branch on an argument), compiled
+once with ``exec`` so that every step calls the same function object, as a model's layer
+is called every step.
+
+Size: GS_STEADY_EXAMPLES programs (default 6; each pays dynamo's capture, about a second);
+the draws are fixed unless GS_DIFF_RANDOM=1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradient_scope
+from gradient_scope._adapters.steady import run as steady
+
+N_PROGRAMS = int(os.environ.get("GS_STEADY_EXAMPLES", "6"))
+RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
+STEPS = 4
+
+# name -> (arity, source with {a} {b} for the operands, {c} for the constant argument)
+_OPS = {
+    "add": (2, "{a} + {b}"),
+    "mul": (2, "{a} * {b}"),
+    "mm": (2, "{a} @ {b}"),
+    "sin": (1, "torch.sin({a})"),
+    "tanh": (1, "torch.tanh({a})"),
+    "gelu": (1, "F.gelu({a})"),
+    "scale": (1, "{a} * c"),
+    "softmax": (1, "torch.softmax({a}, dim=-1)"),
+    "norm": (1, "F.layer_norm({a}, ({a}.shape[-1],))"),
+    "dropout": (1, "F.dropout({a}, 0.25, training=True)"),
+    "t": (1, "{a}.t()"),
+    "slice": (1, "torch.cat([{a}[:, 2:], {a}[:, :2]], dim=1)"),
+    "view": (1, "{a}.reshape(-1).reshape({a}.shape)"),
+    "exp_neg": (1, "torch.exp(-{a}.abs())"),
+}
+_INPLACE = ("add_", "mul_", "clamp_")
+
+
+def _program(rng: random.Random) -> tuple[str, int]:
+    """Source of ``f(x, w, c, flag)`` and how many of its values it returns."""
+    lines = ["def f(x, w, c, flag):", "    v0 = x", "    v1 = w"]
+    n = 2
+    for _ in range(rng.randint(3, 12)):
+        name = rng.choice(list(_OPS))
+        arity, src = _OPS[name]
+        a, b = f"v{rng.randrange(n)}", f"v{rng.randrange(n)}"
+        lines.append(f"    v{n} = " + src.format(a=a, b=b))
+        n += 1
+        roll = rng.random()
+        if roll < 0.12 and n > 3:  # an in-place write to a fresh intermediate (a clone: never an input)
+            op = rng.choice(_INPLACE)
+            arg = "(-1.0, 1.0)" if op == "clamp_" else "(0.5)"
+            lines.append(f"    v{n} = v{n - 1}.clone()")
+            lines.append(f"    v{n}.{op}{arg}")
+            n += 1
+        elif roll < 0.2:  # a branch on a Python argument
+            lines.append("    if flag:")
+            lines.append(f"        v{n} = torch.cos(v{n - 1})")
+            lines.append("    else:")
+            lines.append(f"        v{n} = v{n - 1} * 2.0")
+            n += 1
+    outs = sorted({n - 1, rng.randrange(2, n)})
+    lines.append("    return " + ", ".join(f"v{i}" for i in outs) + ",")
+    return "\n".join(lines), len(outs)
+
+
+def _run(fn, scoped: bool, step: int, c: float, flag: bool) -> list[torch.Tensor]:
+    torch.manual_seed(100 + step)
+    x = torch.randn(6, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+    torch.manual_seed(200 + step)  # the random ops' draws
+    outs = gradient_scope.checkpoint(fn, x, w, c, flag) if scoped else fn(x, w, c, flag)
+    g = torch.Generator().manual_seed(step)
+    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    loss.backward()
+    return [loss.detach(), x.grad, w.grad]
+
+
+@pytest.mark.parametrize("n", range(N_PROGRAMS))
+def test_steady_runs_equal_plain(n, monkeypatch):
+    monkeypatch.setenv("GRADIENT_SCOPE_FAST", "1")
+    torch._dynamo.reset()
+    monkeypatch.setattr(steady, "_failed", type(steady._failed)())
+    monkeypatch.setattr(steady, "_failures", type(steady._failures)())
+    bound = []
+    real = steady._steady
+
+    def counting(*args):
+        bound.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(steady, "_steady", counting)
+    rng = random.Random(None if RANDOM else 7919 * n + 1)
+    source, _ = _program(rng)
+    scope: dict = {"torch": torch, "F": F}
+    exec(compile(source, f"<steady program {n}>", "exec"), scope)
+    fn = scope["f"]
+    # Steps 0-1 the same constants (the second is bound from the first's template); then a
+    # changed constant and a changed branch (dynamo's guards must see them: a new graph).
+    plan = [(0.5, True), (0.5, True), (1.5, True), (1.5, False), (0.5, True)][: STEPS + 1]
+    try:
+        for step, (c, flag) in enumerate(plan):
+            plain = _run(fn, False, step, c, flag)
+            scoped = _run(fn, True, step, c, flag)
+            for p, s in zip(plain, scoped):
+                same = p is s if p is None or s is None else torch.equal(p, s)  # None: no path to it
+                assert same, f"step {step} (c={c}, flag={flag}) differs\n{source}"
+        if not steady._failed:
+            assert bound, f"no step was a steady run\n{source}"
+    finally:
+        torch._dynamo.reset()
