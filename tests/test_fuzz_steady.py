@@ -28,7 +28,6 @@ from gradient_scope._adapters.steady import run as steady
 
 N_PROGRAMS = int(os.environ.get("GS_STEADY_EXAMPLES", "6"))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
-STEPS = 4
 
 # name -> (arity, source with {a} {b} for the operands, {c} for the constant argument)
 _OPS = {
@@ -78,10 +77,10 @@ def _program(rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines), len(outs)
 
 
-def _run(fn, scoped: bool, step: int, c: float, flag: bool) -> list[torch.Tensor]:
+def _run(fn, scoped: bool, step: int, c: float, flag: bool, size: int = 6) -> list[torch.Tensor]:
     torch.manual_seed(100 + step)
-    x = torch.randn(6, 6, requires_grad=True)
-    w = torch.randn(6, 6, requires_grad=True)
+    x = torch.randn(size, size, requires_grad=True)
+    w = torch.randn(size, size, requires_grad=True)
     torch.manual_seed(200 + step)  # the random ops' draws
     outs = gradient_scope.checkpoint(fn, x, w, c, flag) if scoped else fn(x, w, c, flag)
     g = torch.Generator().manual_seed(step)
@@ -110,15 +109,16 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     exec(compile(source, f"<steady program {n}>", "exec"), scope)
     fn = scope["f"]
     # Steps 0-1 the same constants (the second is bound from the first's template); then a
-    # changed constant and a changed branch (dynamo's guards must see them: a new graph).
-    plan = [(0.5, True), (0.5, True), (1.5, True), (1.5, False), (0.5, True)][: STEPS + 1]
+    # changed constant, a changed branch, another shape (dynamo's guards must see them: a
+    # new graph), and the first graph again.
+    plan = [(0.5, True, 6), (0.5, True, 6), (1.5, True, 6), (1.5, False, 6), (0.5, True, 5), (0.5, True, 6)]
     try:
-        for step, (c, flag) in enumerate(plan):
-            plain = _run(fn, False, step, c, flag)
-            scoped = _run(fn, True, step, c, flag)
+        for step, (c, flag, size) in enumerate(plan):
+            plain = _run(fn, False, step, c, flag, size)
+            scoped = _run(fn, True, step, c, flag, size)
             for p, s in zip(plain, scoped):
                 same = p is s if p is None or s is None else torch.equal(p, s)  # None: no path to it
-                assert same, f"step {step} (c={c}, flag={flag}) differs\n{source}"
+                assert same, f"step {step} (c={c}, flag={flag}, size={size}) differs\n{source}"
         if not steady._failed:
             assert bound, f"no step was a steady run\n{source}"
     finally:
