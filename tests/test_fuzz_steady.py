@@ -1,9 +1,10 @@
 """Differential fuzzing of the steady state (``_adapters.steady``): random functions of
-tensors, run by ``gradient_scope.checkpoint`` with ``GRADIENT_SCOPE_FAST=1`` for several
-steps -- new values, the same Python constants or changed ones, a branch taken or not --
-against the same function without a scope, same seeds: losses and gradients bitwise equal
-at every step, and at least one step of every program bound from its template (a steady
-run) unless dynamo cannot capture the function.
+tensors, run by ``gradient_scope.checkpoint`` (or with a ``save=`` policy, or a budget)
+with ``GRADIENT_SCOPE_FAST=1`` for several steps -- new values, the same Python constants
+or changed ones, a branch taken or not, another shape -- against the same function without
+a scope, same seeds: losses and gradients bitwise equal at every step, and at least one
+step of every program bound from its template (a steady run) unless dynamo cannot capture
+the function.
 
 A program is straight-line Python source (elementwise and matmul ops, views, in-place
 writes to intermediates, dropout, softmax, layer norm, a branch on an argument), compiled
@@ -16,8 +17,10 @@ the draws are fixed unless GS_DIFF_RANDOM=1.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -77,12 +80,13 @@ def _program(rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines), len(outs)
 
 
-def _run(fn, scoped: bool, step: int, c: float, flag: bool, size: int = 6) -> list[torch.Tensor]:
+def _run(fn, scoped, step: int, c: float, flag: bool, size: int = 6) -> list[torch.Tensor]:
+    """One step of ``fn``, run by ``scoped`` (a function-form scope of it) or plainly."""
     torch.manual_seed(100 + step)
     x = torch.randn(size, size, requires_grad=True)
     w = torch.randn(size, size, requires_grad=True)
     torch.manual_seed(200 + step)  # the random ops' draws
-    outs = gradient_scope.checkpoint(fn, x, w, c, flag) if scoped else fn(x, w, c, flag)
+    outs = scoped(x, w, c, flag) if scoped is not None else fn(x, w, c, flag)
     g = torch.Generator().manual_seed(step)
     loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
     loss.backward()
@@ -108,18 +112,28 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     scope: dict = {"torch": torch, "F": F}
     exec(compile(source, f"<steady program {n}>", "exec"), scope)
     fn = scope["f"]
+    # How it is scoped: checkpoint, a save= policy (the outputs it keeps come from the graph,
+    # T6), or a budget (planned from step 2 on).
+    how = ("checkpoint", "save_matmuls", "budget")[n % 3]
+    if how == "checkpoint":
+        scoped_fn = functools.partial(gradient_scope.checkpoint, fn)
+    elif how == "save_matmuls":
+        scoped_fn = gradient_scope.recompute_scope(save=gradient_scope.save_matmuls)(fn)
+    else:
+        scoped_fn = gradient_scope.recompute_scope(budget=gradient_scope.Budget(rng.choice([0, 600, 2000, 10**9])))(fn)
     # Steps 0-1 the same constants (the second is bound from the first's template); then a
     # changed constant, a changed branch, another shape (dynamo's guards must see them: a
     # new graph), and the first graph again.
     plan = [(0.5, True, 6), (0.5, True, 6), (1.5, True, 6), (1.5, False, 6), (0.5, True, 5), (0.5, True, 6)]
+    warnings.simplefilter("ignore")  # a budget below its floor says so
     try:
         for step, (c, flag, size) in enumerate(plan):
-            plain = _run(fn, False, step, c, flag, size)
-            scoped = _run(fn, True, step, c, flag, size)
+            plain = _run(fn, None, step, c, flag, size)
+            scoped = _run(fn, scoped_fn, step, c, flag, size)
             for p, s in zip(plain, scoped):
                 same = p is s if p is None or s is None else torch.equal(p, s)  # None: no path to it
-                assert same, f"step {step} (c={c}, flag={flag}, size={size}) differs\n{source}"
+                assert same, f"{how}, step {step} (c={c}, flag={flag}, size={size}) differs\n{source}"
         if not steady._failed:
-            assert bound, f"no step was a steady run\n{source}"
+            assert bound, f"{how}: no step was a steady run\n{source}"
     finally:
         torch._dynamo.reset()
