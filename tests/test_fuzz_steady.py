@@ -129,7 +129,10 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     try:
         for step, (c, flag, size) in enumerate(plan):
             plain = _run(fn, None, step, c, flag, size)
-            scoped = _run(fn, scoped_fn, step, c, flag, size)
+            try:
+                scoped = _run(fn, scoped_fn, step, c, flag, size)
+            except Exception as e:
+                raise AssertionError(f"{how}, step {step} (c={c}, flag={flag}, size={size}) raised\n{source}") from e
             for p, s in zip(plain, scoped):
                 same = p is s if p is None or s is None else torch.equal(p, s)  # None: no path to it
                 assert same, f"{how}, step {step} (c={c}, flag={flag}, size={size}) differs\n{source}"

@@ -479,3 +479,27 @@ def test_a_budget_that_offloads_applies_to_steady_runs(fast):
         assert {op.how for op in budget.stored_ops()} == {"kept", "offloaded", "recomputed"}
         assert backend.copies > 0 and backend.pending() == 0
     assert len(fast) > 0
+
+
+def test_a_budget_decides_on_a_saved_view_of_an_output_in_steady_runs(fast):
+    """A view made in a steady run names the template's Var of its base as its root, while
+    the run's own Var of that base (an output) replaced it in its op (D4): the budget still
+    finds the view's storage group."""
+
+    def f(x, w):
+        a = x + x  # an output
+        b = a.reshape(-1).reshape(a.shape)  # a view of it, made in the run
+        m = w @ a  # saves a: the run's own Var of it replaces the template's in its op
+        n = F.layer_norm(b, (b.shape[-1],))  # then saves b, whose root is the template's Var
+        return a, n + m.sum()
+
+    for nbytes in (0, 600, 2000, 10**9):
+        torch._dynamo.reset()
+        scoped = recompute_scope(budget=Budget(nbytes))(f)
+        for seed in range(3):
+            torch.manual_seed(seed)
+            x, w = torch.randn(6, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)
+            outs = [f(x, w), scoped(x, w)]
+            grads = [torch.autograd.grad(sum(o.sum() for o in out), (x, w)) for out in outs]
+            assert all(torch.equal(p, s) for p, s in zip(*grads)), (nbytes, seed)
+    assert len(fast) > 0

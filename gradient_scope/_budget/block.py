@@ -109,7 +109,7 @@ class BlockPlan:
             return False
         ops = record.ops
         rec = ops[var.op]
-        place = (var.op, rec.outs.index(var))
+        place = (var.op, record.out_index(var))
         if self.plans and not _agrees(self.plans[0], rec, place, var):
             self._check(ops, place, var)
         if type(t) is not Tensor or root.size is None:
@@ -117,7 +117,7 @@ class BlockPlan:
             return False
         # Storages are told apart by their group's root, not by address: an address
         # is reused as soon as an earlier tensor of the block is freed.
-        group = (root.op, ops[root.op].outs.index(root))
+        group = (root.op, record.out_index(root))
         self.saved[place] = (group, int(root.size.numel()) * root.dtype.itemsize)
         if self.plans:
             plan = self.plans[0]
@@ -139,7 +139,7 @@ class BlockPlan:
             return None
         var: Var = entry
         rec = var.frame.owner.record if var.frame.owner is not None else None
-        place = (var.op, rec.ops[var.op].outs.index(var)) if rec is not None else (var.op, 0)
+        place = (var.op, rec.out_index(var)) if rec is not None else (var.op, 0)
         return engine.pack(t, (self.site, self.occurrence, place))
 
     def close(self, aborted: bool) -> None:

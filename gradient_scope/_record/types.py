@@ -344,6 +344,7 @@ class BlockRecord:
         "escaped",
         "signature",
         "registered",
+        "renamed",
         "__weakref__",
     )
 
@@ -356,6 +357,10 @@ class BlockRecord:
         # The Vars registered for it, where not every Var of its ops is (a steady-state
         # run registers only the tensors that outlive it: ``_adapters.steady``); None: all.
         self.registered: list[Var] | None = None
+        # A steady-state run's template Vars that its own Vars replaced in their ops'
+        # outputs (an output's, D4): id(template Var) -> its output index. Views made in
+        # the run still name the template's Var as their root.
+        self.renamed: dict[int, int] = {}
         # (first op index, numeric context) from where each context applies, in op
         # order: the global flags the ops' results depend on (R9 in ``_record.entry``).
         self.contexts: list[tuple[int, NumericContext]] = []
@@ -370,6 +375,14 @@ class BlockRecord:
 
     def vars(self) -> list[Var]:
         return [v for rec in self.ops for v in rec.outs if v is not None]
+
+    def out_index(self, var: Var) -> int:
+        """Which output of its op ``var`` is (also a template Var of a steady run that the
+        run's own Var replaced, ``renamed``)."""
+        for k, v in enumerate(self.ops[var.op].outs):
+            if v is var:
+                return k
+        return self.renamed[id(var)]
 
     def registered_vars(self) -> list[Var]:
         """The Vars that may be in the registry: what closing the block looks up."""

@@ -37,8 +37,10 @@ D3. The saves of a steady run go to its sequencer (``_save.pack`` S5), which tak
     its recorded writes are counted in.)
 D4. The random states a run's random ops draw are read where the template says
     (T3), and bound into the run's record with its Inputs, its output Vars (made
-    when the tensor is first saved or when the graph returns) and its signature:
-    replay, budgets, the report and ``model_stats`` read it as a recorded record.
+    when the tensor is first saved or when the graph returns; each replaces the
+    template's Var in its op's outputs, noted in ``BlockRecord.renamed`` for the views
+    that still name the template's) and its signature: replay, budgets, the report and
+    ``model_stats`` read it as a recorded record.
 D5. Everything a run sets (the thread's request, the sequencer, the recorder off
     the stack) is put back when it returns or raises.
 """
@@ -435,6 +437,7 @@ class _Sequencer:
         self.of[id(var)] = s
         ops = self.record.ops
         rec = ops[tv.op]
+        self.record.renamed[id(tv)] = next(k for k, v in enumerate(rec.outs) if v is tv)
         ops[tv.op] = rec._replace(outs=tuple(var if v is tv else v for v in rec.outs))
         return var
 
