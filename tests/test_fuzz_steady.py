@@ -48,7 +48,23 @@ _OPS = {
     "slice": (1, "torch.cat([{a}[:, 2:], {a}[:, :2]], dim=1)"),
     "view": (1, "{a}.reshape(-1).reshape({a}.shape)"),
     "exp_neg": (1, "torch.exp(-{a}.abs())"),
+    "chunk": (1, "torch.cat({a}.chunk(3, dim=0)[::-1], dim=0)"),
+    "unbind": (1, "torch.stack([r * (i + 1) for i, r in enumerate({a}.unbind(0))])"),
+    "where": (2, "torch.where({a} > 0, {a}, {b})"),
+    "rand": (1, "{a} * torch.rand_like({a})"),
+    "sum_keep": (1, "{a} - {a}.sum(dim=1, keepdim=True) / 6.0"),
+    "view_write": (1, "torch.relu({a}).clone().transpose(0, 1).contiguous().mul_(0.5)"),
+    "slice_write": (1, "_slice_write({a})"),
 }
+
+
+def _slice_write(a: torch.Tensor) -> torch.Tensor:
+    """A write through a view of an intermediate (its base is saved before and after)."""
+    b = a.sin()
+    b[:, :2].mul_(3.0)
+    return b * a
+
+
 _INPLACE = ("add_", "mul_", "clamp_")
 
 
@@ -109,7 +125,7 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     monkeypatch.setattr(steady, "_steady", counting)
     rng = random.Random(None if RANDOM else 7919 * n + 1)
     source, _ = _program(rng)
-    scope: dict = {"torch": torch, "F": F}
+    scope: dict = {"torch": torch, "F": F, "_slice_write": _slice_write}
     exec(compile(source, f"<steady program {n}>", "exec"), scope)
     fn = scope["f"]
     # How it is scoped: checkpoint, a save= policy (the outputs it keeps come from the graph,
