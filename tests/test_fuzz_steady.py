@@ -1,7 +1,8 @@
 """Differential fuzzing of the steady state (``_adapters.steady``): random functions of
 tensors, run by ``gradient_scope.checkpoint`` (or with a ``save=`` policy, or a budget)
 with ``GRADIENT_SCOPE_FAST=1`` for several steps -- new values, the same Python constants
-or changed ones, a branch taken or not, another shape -- against the same function without
+or changed ones, a branch taken or not, another shape; backward whole, partial or twice
+with a retained graph -- against the same function without
 a scope, same seeds: losses and gradients bitwise equal at every step, and at least one
 step of every program bound from its template (a steady run) unless dynamo cannot capture
 the function.
@@ -96,7 +97,7 @@ def _program(rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines), len(outs)
 
 
-def _run(fn, scoped, step: int, c: float, flag: bool, size: int = 6) -> list[torch.Tensor]:
+def _run(fn, scoped, step: int, c: float, flag: bool, size: int, backward: str) -> list[torch.Tensor | None]:
     """One step of ``fn``, run by ``scoped`` (a function-form scope of it) or plainly."""
     torch.manual_seed(100 + step)
     x = torch.randn(size, size, requires_grad=True)
@@ -105,6 +106,10 @@ def _run(fn, scoped, step: int, c: float, flag: bool, size: int = 6) -> list[tor
     outs = scoped(x, w, c, flag) if scoped is not None else fn(x, w, c, flag)
     g = torch.Generator().manual_seed(step)
     loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    if backward == "grad_x":  # a partial backward: only what x's gradient needs
+        return [loss.detach(), *torch.autograd.grad(loss, [x], allow_unused=True)]
+    if backward == "retain_twice":
+        loss.backward(retain_graph=True)
     loss.backward()
     return [loss.detach(), x.grad, w.grad]
 
@@ -141,12 +146,13 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     # changed constant, a changed branch, another shape (dynamo's guards must see them: a
     # new graph), and the first graph again.
     plan = [(0.5, True, 6), (0.5, True, 6), (1.5, True, 6), (1.5, False, 6), (0.5, True, 5), (0.5, True, 6)]
+    backwards = [rng.choice(("backward", "backward", "grad_x", "retain_twice")) for _ in plan]
     warnings.simplefilter("ignore")  # a budget below its floor says so
     try:
         for step, (c, flag, size) in enumerate(plan):
-            plain = _run(fn, None, step, c, flag, size)
+            plain = _run(fn, None, step, c, flag, size, backwards[step])
             try:
-                scoped = _run(fn, scoped_fn, step, c, flag, size)
+                scoped = _run(fn, scoped_fn, step, c, flag, size, backwards[step])
             except Exception as e:
                 raise AssertionError(f"{how}, step {step} (c={c}, flag={flag}, size={size}) raised\n{source}") from e
             for p, s in zip(plain, scoped):
