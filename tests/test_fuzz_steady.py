@@ -2,10 +2,9 @@
 tensors, run by ``gradient_scope.checkpoint`` (or with a ``save=`` policy, or a budget)
 with ``GRADIENT_SCOPE_FAST=1`` for several steps -- new values, the same Python constants
 or changed ones, a branch taken or not, another shape; backward whole, partial or twice
-with a retained graph -- against the same function without
-a scope, same seeds: losses and gradients bitwise equal at every step, and at least one
-step of every program bound from its template (a steady run) unless dynamo cannot capture
-the function.
+with a retained graph -- against the same function without a scope, same seeds: losses
+and gradients bitwise equal at every step, and at least one step of every program bound
+from its template (a steady run) unless dynamo cannot capture the function.
 
 A program is straight-line Python source (elementwise and matmul ops, views, in-place
 writes to intermediates, dropout, softmax, layer norm, a branch on an argument), compiled
