@@ -1,10 +1,10 @@
 """Differential fuzzing of the steady state (``_adapters.steady``): random functions of
 tensors, run by ``gradient_scope.checkpoint`` (or with a ``save=`` policy, or a budget)
 with ``GRADIENT_SCOPE_FAST=1`` for several steps -- new values, the same Python constants
-or changed ones, a branch taken or not, another shape; backward whole, partial or twice
-with a retained graph -- against the same function without a scope, same seeds: losses
-and gradients bitwise equal at every step, and at least one step of every program bound
-from its template (a steady run) unless dynamo cannot capture the function.
+or changed ones, a branch taken or not, another shape, autocast on; backward whole,
+partial or twice with a retained graph -- against the same function without a scope,
+same seeds: losses and gradients bitwise equal at every step, and at least one step of
+every program bound from its template (a steady run) unless dynamo cannot capture it.
 
 A program is straight-line Python source (elementwise and matmul ops, views, in-place
 writes to intermediates, dropout, softmax, layer norm, a branch on an argument), compiled
@@ -96,15 +96,19 @@ def _program(rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines), len(outs)
 
 
-def _run(fn, scoped, step: int, c: float, flag: bool, size: int, backward: str) -> list[torch.Tensor | None]:
-    """One step of ``fn``, run by ``scoped`` (a function-form scope of it) or plainly."""
+def _run(
+    fn, scoped, step: int, c: float, flag: bool, size: int, backward: str, autocast: bool = False
+) -> list[torch.Tensor | None]:
+    """One step of ``fn``, run by ``scoped`` (a function-form scope of it) or plainly
+    (``autocast``: the forward under CPU bfloat16 autocast)."""
     torch.manual_seed(100 + step)
     x = torch.randn(size, size, requires_grad=True)
     w = torch.randn(size, size, requires_grad=True)
     torch.manual_seed(200 + step)  # the random ops' draws
-    outs = scoped(x, w, c, flag) if scoped is not None else fn(x, w, c, flag)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        outs = scoped(x, w, c, flag) if scoped is not None else fn(x, w, c, flag)
     g = torch.Generator().manual_seed(step)
-    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
     if backward == "grad_x":  # a partial backward: only what x's gradient needs
         return [loss.detach(), *torch.autograd.grad(loss, [x], allow_unused=True)]
     if backward == "retain_twice":
@@ -145,13 +149,14 @@ def test_steady_runs_equal_plain(n, monkeypatch):
     # changed constant, a changed branch, another shape (dynamo's guards must see them: a
     # new graph), and the first graph again.
     plan = [(0.5, True, 6), (0.5, True, 6), (1.5, True, 6), (1.5, False, 6), (0.5, True, 5), (0.5, True, 6)]
+    plan += [(0.5, True, 6, True), (0.5, True, 6, True), (0.5, True, 6)]  # autocast on: another graph
     backwards = [rng.choice(("backward", "backward", "grad_x", "retain_twice")) for _ in plan]
     warnings.simplefilter("ignore")  # a budget below its floor says so
     try:
-        for step, (c, flag, size) in enumerate(plan):
-            plain = _run(fn, None, step, c, flag, size, backwards[step])
+        for step, (c, flag, size, *amp) in enumerate(plan):
+            plain = _run(fn, None, step, c, flag, size, backwards[step], bool(amp))
             try:
-                scoped = _run(fn, scoped_fn, step, c, flag, size, backwards[step])
+                scoped = _run(fn, scoped_fn, step, c, flag, size, backwards[step], bool(amp))
             except Exception as e:
                 raise AssertionError(f"{how}, step {step} (c={c}, flag={flag}, size={size}) raised\n{source}") from e
             for p, s in zip(plain, scoped):
