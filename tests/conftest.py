@@ -117,8 +117,10 @@ def global_state():
         "autocast_cpu_dtype": torch.get_autocast_dtype("cpu"),
         "autocast_cuda": torch.is_autocast_enabled("cuda"),
         "autocast_cuda_dtype": torch.get_autocast_dtype("cuda"),
-        "deterministic": (torch.are_deterministic_algorithms_enabled(),
-                          torch.is_deterministic_algorithms_warn_only_enabled()),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
         # (read only once CUDA is initialised: reading it initialises CUDA, and before that
         # it is the default, 0)
         "cuda_sync_debug_mode": torch.cuda.get_sync_debug_mode() if torch.cuda.is_initialized() else 0,
@@ -480,3 +482,29 @@ class Transformer(nn.Module):
 
     def probes(self):
         return [r for layer in self.layers for r in layer.probes]
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """GRADIENT_SCOPE_FAST=1 (the steady state, ``gradient_scope._adapters.steady``), and a
+    list with an entry per run bound from a template. No graph or given-up function of an
+    earlier test is seen."""
+    from gradient_scope._adapters.steady import run as steady
+
+    monkeypatch.setenv("GRADIENT_SCOPE_FAST", "1")
+    torch._dynamo.reset()  # graphs (and their templates) of earlier tests are gone
+    monkeypatch.setattr(steady, "_failed", type(steady._failed)())
+    monkeypatch.setattr(steady, "_failures", type(steady._failures)())
+    calls = []
+    real = steady._steady
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(steady, "_steady", counting)
+    yield calls
+    # What dynamo compiled for this test is dropped now, with its reference cycles, not
+    # during a later test that counts what the garbage collector frees.
+    torch._dynamo.reset()
+    gc.collect()

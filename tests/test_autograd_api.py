@@ -226,9 +226,7 @@ def test_second_pass_replays_the_rest(device):
         y = (h1 * c).sum() + (h2 * d).sum() + (h1 * h2).sum()
         del h1, h2
         (gc,) = torch.autograd.grad(y, inputs=[c], retain_graph=True)
-        replayed_after_first[scope.real] = (
-            stat(scope.created[0], "ops_replayed") if scope.real else None
-        )
+        replayed_after_first[scope.real] = stat(scope.created[0], "ops_replayed") if scope.real else None
         (ga, gb) = torch.autograd.grad(y, inputs=[a, b])
         return dict(gc=gc, ga=ga, gb=gb)
 
@@ -259,8 +257,7 @@ def test_each_op_replayed_at_most_once_per_pass(device):
     y.backward()
     assert stat(s, "ops_recorded") == 2
     assert stat(s, "ops_replayed") <= 2, (
-        f"one backward pass replayed {stat(s, 'ops_replayed')} ops of a 2-op record "
-        f"({s.stats})"
+        f"one backward pass replayed {stat(s, 'ops_replayed')} ops of a 2-op record ({s.stats})"
     )
     ga = a.grad.clone()
     a.grad = None

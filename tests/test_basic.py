@@ -72,8 +72,7 @@ def test_mlp_three_steps(device):
             loss.backward()
             losses.append(loss.detach())
             opt.step()
-        return dict(losses=losses, params=[p.detach().clone() for p in model.parameters()],
-                    **grads(dict(model=model)))
+        return dict(losses=losses, params=[p.detach().clone() for p in model.parameters()], **grads(dict(model=model)))
 
     run_both(program)
 
@@ -420,8 +419,13 @@ def _exact(a, b, name):
 _N_EXAMPLES = int(os.environ.get("GS_HYPOTHESIS_EXAMPLES", "0")) or 50
 
 
-@settings(max_examples=_N_EXAMPLES, deadline=None, derandomize=_N_EXAMPLES == 50, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=_N_EXAMPLES,
+    deadline=None,
+    derandomize=_N_EXAMPLES == 50,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(
     steps=st.lists(
         st.tuples(st.sampled_from(sorted(_OPS)), st.integers(0, 40), st.integers(0, 40)),

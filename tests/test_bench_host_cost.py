@@ -42,10 +42,12 @@ def test_per_layer_extras_and_targets(results):
             assert s[name]["grads_vs_plain"]["bitwise_equal"], (m, name)
         assert s["budget50"]["budget_bytes"] == int(0.5 * s["plain"]["held"])
         targets = {t["target"] for t in res["targets"] if t["model"] == m}
-        assert targets == {"scope_layer fwd+bwd host cost per layer <= checkpoint's",
-                           "scope_layer+fast fwd+bwd host cost per layer <= checkpoint's",
-                           "budget50 fwd+bwd host cost per layer <= scope_layer's",
-                           "budget50+fast fwd+bwd host cost per layer <= scope_layer+fast's"}
+        assert targets == {
+            "scope_layer fwd+bwd host cost per layer <= checkpoint's",
+            "scope_layer+fast fwd+bwd host cost per layer <= checkpoint's",
+            "budget50 fwd+bwd host cost per layer <= scope_layer's",
+            "budget50+fast fwd+bwd host cost per layer <= scope_layer+fast's",
+        }
     assert all(t["met"] in (True, False) and t["note"].startswith("A/A") for t in res["targets"])
     with open(out / "results.json") as f:
         assert json.load(f)["inner"] == 1

@@ -22,8 +22,9 @@ def test_run_tiny(tmp_path):
     from benchmarks import run
 
     with torch.random.fork_rng():
-        res = run.main(["--quick", "--rounds", "1", "--no-overhead", "--no-scaling", "--no-charts",
-                        "--out", str(tmp_path), *TINY])
+        res = run.main(
+            ["--quick", "--rounds", "1", "--no-overhead", "--no-scaling", "--no-charts", "--out", str(tmp_path), *TINY]
+        )
     s = res["main"]["strategies"]
     assert list(s) == [*run.STRATEGIES, "plain_again"]
     for name, v in s.items():
@@ -89,6 +90,10 @@ def test_compare_tensors_and_targets_table():
     T = Targets()
     T.add("x <= y", "1 vs 2", met=True)
     T.add("z", "n/a", met=None, note="why")
-    assert Targets.from_rows(list(T)).markdown() == T.markdown() == md_table(
-        ["target", "measured", "met?", "note"], [["x <= y", "1 vs 2", "met", ""], ["z", "n/a", "n/a", "why"]]
+    assert (
+        Targets.from_rows(list(T)).markdown()
+        == T.markdown()
+        == md_table(
+            ["target", "measured", "met?", "note"], [["x <= y", "1 vs 2", "met", ""], ["z", "n/a", "n/a", "why"]]
+        )
     )

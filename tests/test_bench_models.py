@@ -101,8 +101,9 @@ def test_gpu_suite_code_path_on_cpu(tmp_path):
     """--gpu-suite at the tiny size on CPU: the suite's strategies (SAC, budgets at 50% and
     25% of plain's held bytes), its targets, one compared step on copies that share the
     weights."""
-    res = _main(["--gpu-suite", "--models", "llama8b_stack", "--dtype", "float32", "--rounds", "2",
-                 "--out", str(tmp_path)])
+    res = _main(
+        ["--gpu-suite", "--models", "llama8b_stack", "--dtype", "float32", "--rounds", "2", "--out", str(tmp_path)]
+    )
     r = res["models"]["llama8b_stack"]
     s = r["strategies"]
     assert list(s) == bm.GPU_STRATEGIES
@@ -116,8 +117,11 @@ def test_gpu_suite_code_path_on_cpu(tmp_path):
         assert len(v["times_s"]) == 2
         assert v["grads_vs_plain"]["bitwise_equal"], name
     targets = {t["target"]: t for t in res["targets"]}
-    for t in ("scope_layer step time <= 1.00x checkpoint's", "budget50 step time <= 0.90x checkpoint's",
-              "scope_layer_savemm step time <= sac_matmul's"):
+    for t in (
+        "scope_layer step time <= 1.00x checkpoint's",
+        "budget50 step time <= 0.90x checkpoint's",
+        "scope_layer_savemm step time <= sac_matmul's",
+    ):
         assert targets[t]["met"] in (True, False), t
     md = (tmp_path / "results.md").read_text()
     assert "## llama8b_stack" in md and "budget50" in md
@@ -125,8 +129,22 @@ def test_gpu_suite_code_path_on_cpu(tmp_path):
 
 def test_phase_timeout_skips_and_keeps_what_was_measured(tmp_path):
     """A time limit already passed: plain still runs (one round), the rest is reported as skipped."""
-    res = _main(["--models", "llama", "--strategies", "plain", "scope_layer", "--rounds", "3", "--no-sweep",
-                 "--phase-timeout", "1e-9", "--out", str(tmp_path)])
+    res = _main(
+        [
+            "--models",
+            "llama",
+            "--strategies",
+            "plain",
+            "scope_layer",
+            "--rounds",
+            "3",
+            "--no-sweep",
+            "--phase-timeout",
+            "1e-9",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     s = res["models"]["llama"]["strategies"]
     assert "held" in s["plain"] and len(s["plain"]["times_s"]) == 1
     assert s["scope_layer"]["error"].startswith("skipped")

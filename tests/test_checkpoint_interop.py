@@ -224,7 +224,6 @@ def _policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-
 @pytest.mark.parametrize("early_stop", EARLY_STOP)
 def test_scope_inside_selective_checkpoint(early_stop, device):
     def program(scope):
@@ -239,7 +238,9 @@ def test_scope_inside_selective_checkpoint(early_stop, device):
 
         with early_stop_ctx(early_stop):
             y = checkpoint(
-                fn, x, use_reentrant=False,
+                fn,
+                x,
+                use_reentrant=False,
                 context_fn=functools.partial(create_selective_checkpoint_contexts, _policy),
             )
         (y * c).sum().backward()
@@ -261,7 +262,9 @@ def test_selective_checkpoint_inside_scope(early_stop, device):
             h = (x @ w1).relu()
             with early_stop_ctx(early_stop):
                 y = checkpoint(
-                    fn, h, use_reentrant=False,
+                    fn,
+                    h,
+                    use_reentrant=False,
                     context_fn=functools.partial(create_selective_checkpoint_contexts, _policy),
                 )
             z = y.exp()
@@ -287,7 +290,9 @@ def test_selective_checkpoint_with_scope_save_option(device):
             return k * h
 
         y = checkpoint(
-            fn, x, use_reentrant=False,
+            fn,
+            x,
+            use_reentrant=False,
             context_fn=functools.partial(create_selective_checkpoint_contexts, _policy),
         )
         (y * y).sum().backward()
@@ -348,6 +353,7 @@ def test_early_stop_abort_nested_scopes_open(early_stop, device):
         x, w = params((4, 5), (5, 5), device=device)
         outs = []
         for _ in range(2):  # a second step after the aborted recomputation
+
             def fn(a):
                 with scope():
                     h = a.cos()

@@ -60,8 +60,11 @@ def test_compiled_fn_inside_scope(backend):
 
     def program(scoped, backend):
         cf = torch.compile(f, backend=backend) if backend else f
-        x, w, c = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True),
-                   torch.randn(4, 5, requires_grad=True))
+        x, w, c = (
+            torch.randn(4, 5, requires_grad=True),
+            torch.randn(5, 5, requires_grad=True),
+            torch.randn(4, 5, requires_grad=True),
+        )
         with recompute_scope() if scoped else contextlib.nullcontext():
             h = x.sin()
             y = cf(h, w)  # compiled code inside the block
@@ -92,8 +95,11 @@ def test_scope_inside_compiled_fn(backend):
     def program(scoped, backend):
         g = make(scoped)
         cg = torch.compile(g, backend=backend) if backend else g
-        x, w, c = (torch.randn(4, 5, requires_grad=True), torch.randn(5, 5, requires_grad=True),
-                   torch.randn(4, 5, requires_grad=True))
+        x, w, c = (
+            torch.randn(4, 5, requires_grad=True),
+            torch.randn(5, 5, requires_grad=True),
+            torch.randn(4, 5, requires_grad=True),
+        )
         y = cg(x, w, c)
         y.sum().backward()
         return dict(y=y.detach(), **grads(dict(x=x, w=w, c=c)))

@@ -264,6 +264,7 @@ def test_inductor_scoped_graph_and_the_aot_cache():
 def test_decorators_and_apply_recompute_fullgraph():
     """Dynamo-level behaviour (the same for every AOTAutograd backend): aot_eager."""
     backend = "aot_eager"
+
     @recompute
     def bare(x, w):
         return F.gelu((x @ w).sin())

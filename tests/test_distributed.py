@@ -206,15 +206,13 @@ class _Probe:
             return groups
 
         self.groups = [
-            g for m in model.modules() if hasattr(m, "_get_fsdp_state")
-            for g in groups_of(m._get_fsdp_state())
+            g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in groups_of(m._get_fsdp_state())
         ]
         self.events, self.collectives, self.peak = [], 0, 0
 
     def unsharded_bytes(self):
         return sum(
-            t.untyped_storage().nbytes()
-            for g in self.groups for p in g.fsdp_params for t in p.all_gather_outputs
+            t.untyped_storage().nbytes() for g in self.groups for p in g.fsdp_params for t in p.all_gather_outputs
         )
 
     def left_unsharded(self):
@@ -231,8 +229,7 @@ class _Probe:
         return sum(t.numel() * t.itemsize for p in g.fsdp_params for t in p.all_gather_outputs)
 
 
-def _fsdp_run(rank, probe, scoped, raf=True, bf16=False, skip=False, around=False, passes=False,
-              layout="flat2"):
+def _fsdp_run(rank, probe, scoped, raf=True, bf16=False, skip=False, around=False, passes=False, layout="flat2"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -372,9 +369,7 @@ def _tp_run(rank, scoped, variant):
         # DTensors everywhere: the input, the layer outputs the gates save, the head's
         # output and a view of it taken after the head's block (saved by the square)
         plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(use_local_output=False)}
-        parallelize_module(
-            model.head, mesh, ColwiseParallel(output_layouts=Replicate(), use_local_output=False)
-        )
+        parallelize_module(model.head, mesh, ColwiseParallel(output_layouts=Replicate(), use_local_output=False))
     else:  # gelu and dropout (a random op on a DTensor) run on sharded DTensors
         plan = {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(input_layouts=Shard(-1))}
     for layer in model.layers:
@@ -480,9 +475,7 @@ def _worker(rank, port, outdir):
             for name, cfg in FSDP_SCENARIOS.items()
         }
         results["fsdp_errors"] = _guarded(_fsdp_errors, rank, probe)
-        results["tp"] = {
-            v: {s: _guarded(_tp_run, rank, s, v) for s in (False, True)} for v in TP_SCENARIOS
-        }
+        results["tp"] = {v: {s: _guarded(_tp_run, rank, s, v) for s in (False, True)} for v in TP_SCENARIOS}
         results["tp_errors"] = _guarded(_tp_errors, rank)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
@@ -526,7 +519,10 @@ def _spawn(world, outdir):
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), str(world), str(free_port()), str(outdir)],
-        env=env, capture_output=True, text=True, timeout=TIMEOUT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
     )
     assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
@@ -576,8 +572,11 @@ def test_ddp_gloo_scopes_equal_plain(ranks):
         plain, scoped = (_ok(ranks[r]["ddp"][s], f"ddp rank {r} scoped={s}") for s in (False, True))
         _assert_same_training(scoped, plain, f"ddp rank {r}", steps=3)
     for step in range(3):  # all-reduced: equal across ranks
-        _assert_equal_lists(ranks[0]["ddp"][True]["grads"][step], ranks[1]["ddp"][True]["grads"][step],
-                            f"ddp step {step} rank0 vs rank1")
+        _assert_equal_lists(
+            ranks[0]["ddp"][True]["grads"][step],
+            ranks[1]["ddp"][True]["grads"][step],
+            f"ddp step {step} rank0 vs rank1",
+        )
 
 
 @pytest.mark.parametrize("name", list(FSDP_SCENARIOS))
@@ -614,8 +613,10 @@ def test_fsdp2_all_gathers(ranks, name):
         assert len(g_plain) == plain["collectives"] and len(g_scoped) == scoped["collectives"]
         extra = ["layers.0"] * STEPS if FSDP_SCENARIOS[name].get("passes") else []
         assert sorted(g_scoped) == sorted(g_plain + extra), (g_plain, g_scoped)
-        print(f"{name} rank {r}: all-gathers plain {len(g_plain)}, scoped {len(g_scoped)}; "
-              f"unsharded bytes at the backward peak plain {plain['peaks']}, scoped {scoped['peaks']}")
+        print(
+            f"{name} rank {r}: all-gathers plain {len(g_plain)}, scoped {len(g_scoped)}; "
+            f"unsharded bytes at the backward peak plain {plain['peaks']}, scoped {scoped['peaks']}"
+        )
     for s in (False, True):
         assert _gathers(ranks[0]["fsdp"][name][s]["events"]) == _gathers(ranks[1]["fsdp"][name][s]["events"])
 
@@ -644,9 +645,11 @@ def test_fsdp2_early_replay_gathers_earlier_at_one_layers_cost(ranks):
             i = [e[:2] for e in last].index(("gather", "layers.0"))
             assert [e[1] for e in last[:i] if e[0] == "pre_backward"] == hooks_before, last
         assert ("gather", "layers.0", True, True) in scoped["events"]  # gathered by the replay
-    print(f"skip: layer 0 ({ranks[0]['fsdp']['skip'][True]['layer_bytes']} B unsharded) gathered "
-          f"2 pre-backward hooks earlier; peaks plain {ranks[0]['fsdp']['skip'][False]['peaks']}, "
-          f"scoped {ranks[0]['fsdp']['skip'][True]['peaks']}")
+    print(
+        f"skip: layer 0 ({ranks[0]['fsdp']['skip'][True]['layer_bytes']} B unsharded) gathered "
+        f"2 pre-backward hooks earlier; peaks plain {ranks[0]['fsdp']['skip'][False]['peaks']}, "
+        f"scoped {ranks[0]['fsdp']['skip'][True]['peaks']}"
+    )
 
 
 def test_fsdp2_freed_storage_of_no_group_and_outside_backward_raise(ranks):
@@ -709,11 +712,12 @@ def test_fsdp2_four_ranks_int_reshard_and_tensor_parallel(tmp_path):
                 assert regathers
                 for step in range(STEPS):
                     assert scoped["peaks"][step] == plain["peaks"][step] + scoped["layer_bytes"]
-        print(f"{name}: all-gathers plain {four[0][name][False]['collectives']}, scoped "
-              f"{four[0][name][True]['collectives']}; backward peak unsharded bytes plain "
-              f"{four[0][name][False]['peaks']}, scoped {four[0][name][True]['peaks']}")
+        print(
+            f"{name}: all-gathers plain {four[0][name][False]['collectives']}, scoped "
+            f"{four[0][name][True]['collectives']}; backward peak unsharded bytes plain "
+            f"{four[0][name][False]['peaks']}, scoped {four[0][name][True]['peaks']}"
+        )
 
 
 if __name__ == "__main__":
     _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-

@@ -15,10 +15,7 @@ QUICKSTART = os.path.join(ROOT, "examples", "quickstart.py")
 
 # Runs the quickstart as README command 1 does, in a venv without NumPy (pip install -e .
 # does not install it): importing NumPy fails, as it does there.
-_WITHOUT_NUMPY = (
-    "import runpy, sys; sys.modules['numpy'] = None; "
-    f"runpy.run_path({QUICKSTART!r}, run_name='__main__')"
-)
+_WITHOUT_NUMPY = f"import runpy, sys; sys.modules['numpy'] = None; runpy.run_path({QUICKSTART!r}, run_name='__main__')"
 
 _MIB = r"\d+\.\d\d MiB"
 _HEAD = [

@@ -221,9 +221,7 @@ def test_recording_hook_receives_per_contract(name, style, device):
         if h.after_exit:
             problems.append(f"{hname} received {h.after_exit} after its exit")
         if collections.Counter(h.packed) != want[hname]:
-            problems.append(
-                f"{hname} received {sorted(h.packed)}, expected {sorted(want[hname].elements())}"
-            )
+            problems.append(f"{hname} received {sorted(h.packed)}, expected {sorted(want[hname].elements())}")
         if h.unpacked != len(h.packed) + len(h.after_exit):
             problems.append(f"{hname} unpacked {h.unpacked} of {len(h.packed)} packed")
     if stat(scope, "tensors_packed") != handles:

@@ -33,8 +33,17 @@ N_EXAMPLES = int(os.environ.get("GS_HYPOTHESIS_EXAMPLES", "60"))
 UNARY = ["sin", "tanh", "sigmoid", "relu", "gelu", "exp_tanh", "scale", "softmax"]
 BINARY = ["add", "mul", "sub", "matmul", "where"]
 REDUCE = ["sum0", "mean_all", "amax1", "norm_rows"]
-VIEWS = ["t", "transpose", "view_roundtrip", "slice_cat", "slice_repeat", "flip",
-         "unsqueeze_squeeze", "row_view", "diag_embed_view"]
+VIEWS = [
+    "t",
+    "transpose",
+    "view_roundtrip",
+    "slice_cat",
+    "slice_repeat",
+    "flip",
+    "unsqueeze_squeeze",
+    "row_view",
+    "diag_embed_view",
+]
 INDEX = ["perm_index", "randint_index", "gather_rand", "index_select"]
 RANDOM = ["dropout", "randn_like", "rand_like", "bernoulli"]
 INPLACE = ["clone", "inplace"]
@@ -225,7 +234,8 @@ op_st = st.tuples(st.sampled_from(OPS), st.integers(0, 99), st.integers(0, 99), 
 item_st = st.recursive(
     op_st,
     lambda children: st.tuples(
-        st.just("scope"), st.sampled_from(["plain", "plain", "save_mm"]),
+        st.just("scope"),
+        st.sampled_from(["plain", "plain", "save_mm"]),
         st.lists(children, min_size=1, max_size=6),
     ),
     max_leaves=30,
@@ -233,8 +243,9 @@ item_st = st.recursive(
 program_st = st.lists(item_st, min_size=1, max_size=10)
 
 
-@settings(max_examples=N_EXAMPLES, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(
+    max_examples=N_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 @given(program=program_st, seed=st.integers(0, 2**16))
 def test_random_programs_match_plain(program, seed):
     assume(5 <= count_ops(program) <= 30)
@@ -263,10 +274,12 @@ def test_random_programs_match_plain(program, seed):
 def test_fixed_program_replays():
     """Sanity check of the generator: a fixed program does recompute."""
     program = [
-        ("scope", "plain", [("sin", 0, 0, 0), ("matmul", 4, 1, 0), ("dropout", 5, 0, 0),
-                            ("t", 6, 0, 0)]),
-        ("drop", 4, 0, 0), ("drop", 4, 0, 0),
-        ("mul", 5, 2, 0), ("scope", "plain", [("inplace", 0, 0, 0)]), ("tanh", 6, 0, 0),
+        ("scope", "plain", [("sin", 0, 0, 0), ("matmul", 4, 1, 0), ("dropout", 5, 0, 0), ("t", 6, 0, 0)]),
+        ("drop", 4, 0, 0),
+        ("drop", 4, 0, 0),
+        ("mul", 5, 2, 0),
+        ("scope", "plain", [("inplace", 0, 0, 0)]),
+        ("tanh", 6, 0, 0),
     ]
     expected = run_program(program, 1, scoped=False)
     actual = run_program(program, 1, scoped=True)

@@ -228,10 +228,7 @@ def test_apply_recompute_each_call_its_own_scope(entered_scopes, device):
 
 
 def _snapshot(model):
-    return {
-        name: (dict(vars(m)), type(m), type(m).__dict__.get("forward"))
-        for name, m in model.named_modules()
-    }
+    return {name: (dict(vars(m)), type(m), type(m).__dict__.get("forward")) for name, m in model.named_modules()}
 
 
 def test_remove_recompute_round_trip(device):
@@ -341,8 +338,10 @@ class Exploding(nn.Module):
     [
         (Block, {"blocks.0", "blocks.1"}),
         ((Block,), {"blocks.0", "blocks.1"}),
-        ((Attention, nn.LayerNorm), {"blocks.0.attn", "blocks.1.attn", "blocks.0.ln1", "blocks.0.ln2",
-                                     "blocks.1.ln1", "blocks.1.ln2", "ln_f"}),
+        (
+            (Attention, nn.LayerNorm),
+            {"blocks.0.attn", "blocks.1.attn", "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"},
+        ),
         (Attention | Block, {"blocks.0", "blocks.1", "blocks.0.attn", "blocks.1.attn"}),
         ((Exploding, Block), {"blocks.0", "blocks.1"}),
     ],
@@ -633,6 +632,7 @@ def test_recompute_sequential_gradients_equal_plain(segments, entered_scopes, de
 
 def test_recompute_sequential_matches_checkpoint_sequential_chunks(device):
     """Chunks as in checkpoint_sequential: 7 functions, 3 segments -> 2, 2, 3 (last plain)."""
+
     def run(fn):
         store = []
         probes = [Probe(store) for _ in range(7)]

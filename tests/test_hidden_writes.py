@@ -44,9 +44,7 @@ def _cases(routes, detectable):
         here = [r for r in routes if device == "cpu" or r not in HOST_ONLY]
         cases += [pytest.param(r, True, device, id=f"{r}-debug-{device}", marks=dev.marks) for r in here]
         cases += [
-            pytest.param(r, False, device, id=f"{r}-default-{device}", marks=dev.marks)
-            for r in here
-            if r in detectable
+            pytest.param(r, False, device, id=f"{r}-default-{device}", marks=dev.marks) for r in here if r in detectable
         ]
     return cases
 

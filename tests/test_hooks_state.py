@@ -373,8 +373,11 @@ def test_recording_hooks_around_scope(enter, exit_, device):
     assert_all_same(got, want)
 
     assert want_checks["top_is_none_at_end"] and want_checks["top_is_none_iff_hook_closed"]
-    assert got_checks == {"block_tensors_dead": True, "top_is_none_iff_hook_closed": True,
-                          "top_is_none_at_end": True}, got_checks
+    assert got_checks == {
+        "block_tensors_dead": True,
+        "top_is_none_iff_hook_closed": True,
+        "top_is_none_at_end": True,
+    }, got_checks
 
     h, hp = scoped["h"], plain["h"]
     assert h.packed_while_closed == [], "hook received tensors outside its with block"

@@ -136,11 +136,17 @@ def test_batchnorm_train_in_scope(steps, device):
             out = head(h).sum() + (g * g).sum()
             del h, g
             out.backward()
-            snaps.append([bn.running_mean.clone(), bn.running_var.clone(),
-                          bn.num_batches_tracked.clone(), bn2.running_mean.clone(),
-                          bn2.running_var.clone(), bn2.num_batches_tracked.clone()])
-        return dict(snaps=[t for s in snaps for t in s],
-                    **grads(dict(lin=lin, bn=bn, bn2=bn2, conv=conv, head=head)))
+            snaps.append(
+                [
+                    bn.running_mean.clone(),
+                    bn.running_var.clone(),
+                    bn.num_batches_tracked.clone(),
+                    bn2.running_mean.clone(),
+                    bn2.running_var.clone(),
+                    bn2.num_batches_tracked.clone(),
+                ]
+            )
+        return dict(snaps=[t for s in snaps for t in s], **grads(dict(lin=lin, bn=bn, bn2=bn2, conv=conv, head=head)))
 
     scopes, res = run_both(program, cuda_inexact="cuDNN may choose a nondeterministic convolution backward")
     assert int(res["snaps"][-4]) == steps  # sanity: one update per forward

@@ -154,4 +154,3 @@ def test_docs_state_no_counts_of_tests():
     pages = sorted(f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
     found = {page: count.findall(_read(os.path.join("docs", page))) for page in pages}
     assert {page: hits for page, hits in found.items() if hits} == {}
-

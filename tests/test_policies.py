@@ -326,8 +326,15 @@ def _check_memory(expect_alive):
         (save_attention, False, set()),
         (save_any(aten.gelu), False, {"gelu"}),
     ],
-    ids=["none", "save_nothing", "save_matmuls", "save_matmuls_sdpa", "save_attention_sdpa",
-         "save_attention_manual", "save_any_gelu"],
+    ids=[
+        "none",
+        "save_nothing",
+        "save_matmuls",
+        "save_matmuls_sdpa",
+        "save_attention_sdpa",
+        "save_attention_manual",
+        "save_any_gelu",
+    ],
 )
 @pytest.mark.filterwarnings("ignore:gradient_scope. save=save_attention matched no op")  # manual attention
 def test_what_is_kept(policy, sdpa, expect_alive):
@@ -372,8 +379,12 @@ def _counted_program(save):
 
 @pytest.mark.parametrize(
     "save",
-    [[torch.ops.gs_test.counted_mm], [torch.ops.gs_test.counted_mm.default],
-     save_any(torch.ops.gs_test.counted_mm), lambda op: op == torch.ops.gs_test.counted_mm.default],
+    [
+        [torch.ops.gs_test.counted_mm],
+        [torch.ops.gs_test.counted_mm.default],
+        save_any(torch.ops.gs_test.counted_mm),
+        lambda op: op == torch.ops.gs_test.counted_mm.default,
+    ],
     ids=["packet", "overload", "save_any", "callable"],
 )
 def test_saved_custom_op_is_never_replayed(save):
@@ -482,8 +493,9 @@ def test_inplace_op_on_a_saved_output(policy):
     """nn.ReLU(inplace=True) writes to the stored output of a saved addmm."""
 
     def program(scope):
-        m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.GELU(),
-                          nn.Dropout(0.2), nn.Linear(32, 8))
+        m = nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 8)
+        )
         x = torch.randn(4, 8, requires_grad=True)
         with scope():
             y = m(x)

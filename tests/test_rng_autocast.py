@@ -49,8 +49,7 @@ def test_random_ops_replay_exactly(device):
         y.sum().backward()
         after = torch.rand(3, device=device)
         after_g = torch.rand(3, device=device, generator=g)
-        return dict(y=y.detach(), first=first, after=after, after_g=after_g,
-                    **grads(dict(a=a, c=c)))
+        return dict(y=y.detach(), first=first, after=after, after_g=after_g, **grads(dict(a=a, c=c)))
 
     scopes, _ = run_both(program)
     assert stat(scopes.created[0], "replays") >= 2
@@ -156,6 +155,7 @@ def test_model_with_dropout_three_steps(device):
 def test_preserve_rng_state_false_runs(device):
     """Random ops replay with whatever the state is then; deterministic parts are still
     exact, and the program runs."""
+
     # deterministic block: exact gradients
     def program(scope):
         a = torch.randn(5, device=device, requires_grad=True)

@@ -22,28 +22,6 @@ from gradient_scope._adapters.steady import run as steady
 from conftest import assert_stacks_clean, dead
 
 
-@pytest.fixture
-def fast(monkeypatch):
-    """GRADIENT_SCOPE_FAST=1, and a count of the runs bound from a template."""
-    monkeypatch.setenv("GRADIENT_SCOPE_FAST", "1")
-    torch._dynamo.reset()  # graphs (and their templates) of earlier tests are gone
-    monkeypatch.setattr(steady, "_failed", type(steady._failed)())
-    monkeypatch.setattr(steady, "_failures", type(steady._failures)())
-    calls = []
-    real = steady._steady
-
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(steady, "_steady", counting)
-    yield calls
-    # What dynamo compiled for this test is dropped now, with its reference cycles, not
-    # during a later test that counts what the garbage collector frees.
-    torch._dynamo.reset()
-    gc.collect()
-
-
 class Block(nn.Module):
     def __init__(self, d=16, p=0.1):
         super().__init__()

@@ -192,8 +192,7 @@ def test_two_threads_train_concurrently(device):
         conc_losses, conc_params = results[s]
         seq_losses, seq_params = sequential[i]
         plain_losses, plain_params = plain[i]
-        for x, y, z in zip(conc_losses + conc_params, seq_losses + seq_params,
-                           plain_losses + plain_params):
+        for x, y, z in zip(conc_losses + conc_params, seq_losses + seq_params, plain_losses + plain_params):
             assert torch.equal(x, y), f"seed {s}: concurrent != sequential"
             assert torch.equal(y, z), f"seed {s}: scoped != plain"
     del results, sequential, plain
