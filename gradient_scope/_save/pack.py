@@ -67,7 +67,6 @@ __all__ = [
     "add_pack_listener",
     "add_store_listener",
     "notify_listeners",
-    "has_pack_listeners",
     "may_be_new_output",
     "Stored",
     "Kept",
@@ -111,11 +110,6 @@ def add_store_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
             _store_listeners.remove(fn)
 
     return remove
-
-
-def has_pack_listeners() -> bool:
-    """Whether a pack listener is registered (a report is open)."""
-    return bool(_listeners)
 
 
 def notify_listeners(t: Tensor, h: Any) -> None:

@@ -72,10 +72,8 @@ from ..._record.signature import Slots, signature
 from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
 from ..._restore.handles import ReplayState
 from ..._save.pack import (
-    has_pack_listeners,
     may_be_new_output,
     new_handle,
-    notify_listeners,
     pack_as_usual,
     sequencing,
     store_as_usual,
@@ -353,7 +351,7 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
 class _Sequencer:
     """The saves of one steady run (S5, D3, D4)."""
 
-    __slots__ = ("tpl", "frame", "state", "record", "refs", "of", "n", "vars", "states", "diverged", "fast")
+    __slots__ = ("tpl", "frame", "state", "record", "refs", "of", "n", "vars", "states", "diverged")
 
     def __init__(
         self, tpl: Template, frame: Frame, state: ReplayState, record: BlockRecord, refs: list[Any], of: dict[int, int]
@@ -363,7 +361,6 @@ class _Sequencer:
         self.vars: dict[int, Var] = {}  # id(template Var) -> this run's Var of a tensor that outlives it
         self.states: dict[int, dict[torch.Generator, Tensor]] = {}  # observation -> generator states
         self.diverged = False
-        self.fast = tpl.fast_saves()
 
     def pack(self, below: Any, serial: int, t: Tensor) -> Any:
         n = self.n
@@ -377,19 +374,10 @@ class _Sequencer:
                 f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}), the template's a "
                 f"{list(p.shape)} ({p.dtype})"
             )
-        nbytes = self.fast[n]
-        frame = self.frame
-        if nbytes >= 0 and frame.store is None:  # S1 for a tensor of the run: _block_save's short way
-            out = self.state.new_handle(p.var, p.version, p.view, None, p.itself)  # type: ignore[arg-type]
-            stats = frame.stats
-            stats.tensors_packed += 1
-            stats.bytes_packed += nbytes
-            if has_pack_listeners():
-                notify_listeners(t, out)
-        elif p.kind == OTHER:
+        if p.kind == OTHER:
             out = pack_as_usual(below, serial, t)
         elif p.kind == KEEP:
-            store = frame.store
+            store = self.frame.store
             if store is not None and p.var is not None:
                 store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
             out = store_as_usual(below, t, True)

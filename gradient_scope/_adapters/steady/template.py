@@ -135,7 +135,6 @@ class Template:
         "capture",
         "late_ops",
         "gm",
-        "handle_bytes",
     )
 
     def __init__(self) -> None:
@@ -162,19 +161,6 @@ class Template:
         self.capture: list[tuple[int, int, tuple[Any, ...]]] | None = None
         self.late_ops: list[int] = []
         self.gm: Any = None
-        # Per save: its bytes where it is a handle of a tensor that does not outlive the
-        # run (the common case, S1, taken without looking further), else -1; made once.
-        self.handle_bytes: list[int] | None = None
-
-    def fast_saves(self) -> list[int]:
-        """``handle_bytes``, made on first use."""
-        hb = self.handle_bytes
-        if hb is None:
-            hb = self.handle_bytes = [
-                s.shape.numel() * s.dtype.itemsize if s.kind == BLOCK and id(s.var) not in self.output_ids else -1
-                for s in self.saves
-            ]
-        return hb
 
 
 class Log:
