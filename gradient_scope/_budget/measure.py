@@ -16,6 +16,7 @@ device's rates its output spares more time per byte than an elementwise op's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -201,15 +202,8 @@ def input_storages(record: BlockRecord) -> dict[int, int]:
             where = storage_of(rec.rng[1])  # a random op's generator state, kept for its replay
             if where is not None:
                 out[where[0]] = where[1]
-        for r in op_refs(rec):
-            if type(r) is not Input or id(r) in seen:
-                continue
-            seen.add(id(r))
-            if _alive_anyway(r):
-                continue
-            where = storage_of(r.tensor)
-            if where is not None:
-                out[where[0]] = where[1]
+        for _, (ptr, nbytes) in _kept_by(rec, seen):
+            out[ptr] = nbytes
     return out
 
 
@@ -219,13 +213,21 @@ def kept_inputs(record: BlockRecord) -> dict[int, list[Input]]:
     out: dict[int, list[Input]] = {}
     seen: set[int] = set()
     for rec in record.ops:
-        for r in op_refs(rec):
-            if type(r) is not Input or id(r) in seen:
-                continue
-            seen.add(id(r))
-            if _alive_anyway(r):
-                continue
-            where = storage_of(r.tensor)
-            if where is not None:
-                out.setdefault(where[0], []).append(r)
+        for r, (ptr, _) in _kept_by(rec, seen):
+            out.setdefault(ptr, []).append(r)
     return out
+
+
+def _kept_by(rec: OpRecord, seen: set[int]) -> Iterator[tuple[Input, tuple[int, int]]]:
+    """The outside tensors op ``rec`` reads that its record keeps for replay (not alive
+    anyway) and that are not in ``seen`` (ids; added to it), with their storage's address
+    and bytes."""
+    for r in op_refs(rec):
+        if type(r) is not Input or id(r) in seen:
+            continue
+        seen.add(id(r))
+        if _alive_anyway(r):
+            continue
+        where = storage_of(r.tensor)
+        if where is not None:
+            yield r, where

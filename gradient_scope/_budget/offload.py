@@ -123,10 +123,7 @@ class HostCopy:
                 self.served = 0
                 engine.in_flight -= self.nbytes
         assert value is not None
-        backend = self.backend
-        consumer = backend.current_stream(self.device)
-        backend.wait_event(consumer, event)
-        backend.record_stream(value, consumer)
+        _to_consumer(self, value, event)
         return value
 
     def __del__(self) -> None:
@@ -143,6 +140,15 @@ class HostCopy:
                 engine.in_flight -= self.nbytes
                 self.value = None
             engine.pool_of(backend).free(self.block)
+
+
+def _to_consumer(hc: HostCopy, value: Tensor, event: Any) -> None:
+    """O3: the stream current now (the consumer's) waits for ``hc``'s copy back,
+    ``value``, done at ``event``, and marks its memory as used there."""
+    backend = hc.backend
+    consumer = backend.current_stream(hc.device)
+    backend.wait_event(consumer, event)
+    backend.record_stream(value, consumer)
 
 
 class Offloaded:
@@ -399,10 +405,7 @@ def restore(engine: Offloader, t: Tensor) -> bool:
         hc.value = hc.storage = None
         engine.in_flight -= hc.nbytes
     assert value is not None
-    backend = hc.backend
-    consumer = backend.current_stream(hc.device)
-    backend.wait_event(consumer, event)
-    backend.record_stream(value, consumer)
+    _to_consumer(hc, value, event)
     with _Quiet():
         storage.resize_(hc.nbytes)
         _bytes_of(storage, hc.device).copy_(value)
