@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from gradient_scope import recompute_scope
+from gradient_scope._budget.rates import Rates, pinned_rates
 
 # torchao (the test extra, for the QLoRA test) logs at import through transformers and peft:
 # its wheel's CUDA kernels fail to load on a CPU torch, and torch 2.13 deprecates the pytree
@@ -508,3 +509,31 @@ def fast(monkeypatch):
     # during a later test that counts what the garbage collector frees.
     torch._dynamo.reset()
     gc.collect()
+
+
+# --------------------------------------------------------------------------------------
+# budgets
+
+#: The device rates budget tests pin (``pinned_cpu_rates``): a plan depends on them, and
+#: measured they vary from run to run on a shared machine. CPU-like figures, FLOPs and
+#: bytes both counting.
+PINNED_RATES = Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)
+
+
+def pinned_cpu_rates():
+    """The CPU's rates pinned to ``PINNED_RATES`` while the context is open."""
+    return pinned_rates("cpu", PINNED_RATES)
+
+
+class ResidualMLP(nn.Module):
+    """A pre-norm residual MLP with dropout: the layer the budget tests scope."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(self.ln(x)))
+        return x + self.fc2(F.dropout(h, 0.1, self.training))

@@ -19,31 +19,20 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import gradient_scope
 from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute, recompute_scope
-from gradient_scope._budget.rates import Rates, pinned_rates
 
-
-class Block(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        h = F.gelu(self.fc1(self.ln(x)))
-        return x + self.fc2(F.dropout(h, 0.1, self.training))
+from conftest import ResidualMLP as Block
+from conftest import pinned_cpu_rates
 
 
 @pytest.fixture(autouse=True)
 def _fixed_rates():
     """The device's rates pinned (a plan depends on them; measured, they vary from run to
     run on a shared machine): CPU-like figures, FLOPs and bytes both counting."""
-    with pinned_rates("cpu", Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)):
+    with pinned_cpu_rates():
         yield
 
 

@@ -14,7 +14,6 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import gradient_scope
 from benchmarks._harness.memory import measure
@@ -22,19 +21,10 @@ from gradient_scope import Budget, apply_recompute, recompute_scope, remove_reco
 from gradient_scope._budget.planner import recompute_cost
 from gradient_scope._budget.rates import Rates, pinned_rates
 
+from conftest import ResidualMLP as Block
+from conftest import pinned_cpu_rates
+
 MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
-
-
-class Block(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        h = F.gelu(self.fc1(self.ln(x)))
-        return x + self.fc2(F.dropout(h, 0.1, self.training))
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +35,7 @@ def _fixed_rates(request):
     if callspec is not None and callspec.params.get("rates") in ("measured", "flops-bound"):
         yield  # (the test pins its own, or measures)
         return
-    with pinned_rates("cpu", Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)):
+    with pinned_cpu_rates():
         yield
 
 

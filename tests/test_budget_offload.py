@@ -22,10 +22,9 @@ import torch.nn.functional as F
 import gradient_scope
 from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute, recompute_scope
-from gradient_scope._budget.rates import Rates, pinned_rates
 from gradient_scope._budget.streams import host_copy_stand_in
 
-from conftest import DEVICES, assert_all_same
+from conftest import DEVICES, assert_all_same, pinned_cpu_rates
 
 STRESS_STEPS = int(os.environ.get("GRADIENT_SCOPE_OFFLOAD_STRESS_STEPS", "6"))
 
@@ -34,7 +33,7 @@ STRESS_STEPS = int(os.environ.get("GRADIENT_SCOPE_OFFLOAD_STRESS_STEPS", "6"))
 def _fixed_rates():
     """The device's rates pinned (a plan depends on them; measured, they vary from run to
     run on a shared machine)."""
-    with pinned_rates("cpu", Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)):
+    with pinned_cpu_rates():
         yield
 
 

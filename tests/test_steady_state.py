@@ -19,7 +19,7 @@ import gradient_scope
 from gradient_scope import Budget, RecomputeError, apply_recompute, checkpoint, recompute, recompute_scope
 from gradient_scope._adapters.steady import run as steady
 
-from conftest import assert_stacks_clean, dead
+from conftest import assert_stacks_clean, dead, pinned_cpu_rates
 
 
 class Block(nn.Module):
@@ -442,13 +442,11 @@ def test_a_context_policy_keeps_the_block_recorded(fast):
 def test_a_budget_that_offloads_applies_to_steady_runs(fast):
     """The CUDA default path: steady runs whose budget offloads (the host-copy stand-in
     plays the device on CPU) give plain's gradients and offload what the plan says."""
-    from gradient_scope._budget.rates import Rates, pinned_rates
     from gradient_scope._budget.streams import host_copy_stand_in
 
     plain, scoped = _model(4), _model(4)
     x = torch.randn(4, 8, 16, requires_grad=True)
-    rates = Rates(flops=2.8e9, memory=1.5e9, overhead=6.6e-6, to_host=7.5e8, to_device=7.5e8)
-    with pinned_rates("cpu", rates), host_copy_stand_in() as backend:
+    with pinned_cpu_rates(), host_copy_stand_in() as backend:
         budget = Budget("32KiB", offload=True)  # above the floor (about 20 KB): keeps, offloads, recomputes
         apply_recompute(scoped, check_fn=Block, budget=budget)
         for seed in range(4):
