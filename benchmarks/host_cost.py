@@ -1,6 +1,6 @@
 """Host cost per layer: what each strategy adds to plain's forward and fwd+bwd, per layer, on CPU.
 
-    python -m benchmarks.host_cost [--rounds N] [--inner N] [--quick]
+    python -m benchmarks.host_cost [--rounds N] [--inner N] [--dtype bfloat16] [--quick]
 
 On a GPU a scoped forward is host-bound (docs NOTES, fourth round): the Python work per
 op takes longer than the kernels. That work is measured here, on a CPU, with tensors so
@@ -15,7 +15,16 @@ rounds are reported with their interquartile range, next to plain_again's (the A
 the noise). Aten ops per layer are counted once with a counting ``TorchDispatchMode``
 (untimed; the difference between the model at its depth and at half of it, so that
 embeddings, head and loss drop out), which turns the per-layer costs into microseconds
-per op. Results: ``benchmarks/results/cpu-host/`` (``--quick``: ``cpu-host-quick/``).
+per op. Results: ``benchmarks/results/cpu-host/`` (``--quick``: ``cpu-host-quick/``;
+``--dtype bfloat16``: ``cpu-host-bf16/``).
+
+Two floors: ``mode_layer`` (a do-nothing dispatch mode, the floor of a recorder) and
+``dynamo_layer`` (each layer called through the steady state's own compiled function,
+outside any scope: dynamo's guards, and the function as dynamo traces it -- code that
+branches on ``torch.compiler.is_compiling()`` takes its compiled branch; Hugging Face's
+MoE experts do, in float32, a per-expert loop of matmuls behind a custom op, where eager
+calls one grouped matmul). ``--dtype bfloat16`` is the dtype the GPU runs use, where both
+branches of those experts are the same grouped matmul.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ MODELS = ["llama", "mixtral"]
 STRATEGIES = [
     "plain",
     "mode_layer",
+    "dynamo_layer",
     "checkpoint",
     "scope_layer",
     "scope_layer+fast",
@@ -52,13 +62,14 @@ STRATEGIES = [
 ]
 FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
 QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def count_ops(model: str, size: str, seed: int) -> dict[str, float]:
+def count_ops(model: str, size: str, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Aten ops per layer in forward and in backward of plain (untimed)."""
 
     def count(layers: int | None) -> tuple[int, int, int]:
-        built = build(model, size, seed, **({} if layers is None else {"layers": layers}))
+        built = build(model, size, seed, dtype=dtype, **({} if layers is None else {"layers": layers}))
         c = built.case(model)
         n = sum(1 for m in c.model.modules() if c.layers(m))
         fwd, bwd = OpCounter(), OpCounter()
@@ -86,15 +97,17 @@ def per_layer(res: dict[str, Any], name: str, phase: str, layers: int) -> dict[s
     return {"us_per_layer": statistics.median(extra), "quartiles": quartiles(extra), "per_round": extra}
 
 
-def run_model(model: str, size: str, rounds: int, inner: int, warmup: int, seed: int, log: Any) -> dict[str, Any]:
+def run_model(
+    model: str, size: str, rounds: int, inner: int, warmup: int, seed: int, log: Any, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """The strategies on one model: timings, per-layer extras, op counts, agreement with plain."""
-    built = build(model, size, seed)
+    built = build(model, size, seed, dtype=dtype)
     c: Case = built.case(model)
     c.warm_up(seed)
     layers = sum(1 for m in c.model.modules() if c.layers(m))
     out = run_strategies(c, STRATEGIES, rounds, seed=seed, warmup=warmup, inner=inner, memory=False, log=log)
     res = out["strategies"]
-    ops = count_ops(model, size, seed)
+    ops = count_ops(model, size, seed, dtype)
     ops_step = ops["fwd_ops_per_layer"] + ops["bwd_ops_per_layer"]
     host: dict[str, Any] = {}
     for name, v in res.items():
@@ -106,7 +119,7 @@ def run_model(model: str, size: str, rounds: int, inner: int, warmup: int, seed:
     plain = res["plain"]
     ops["plain_fwd_us_per_op"] = 1e6 * plain["fwd"]["time_median_s"] / ops["fwd_ops"]
     ops["plain_bwd_us_per_op"] = 1e6 * plain["bwd"]["time_median_s"] / ops["bwd_ops"]
-    return {"config": built.config, "layers": layers, "ops": ops, "host": host, **out}
+    return {"config": {**built.config, "dtype": str(dtype).replace("torch.", "")}, "layers": layers, "ops": ops, "host": host, **out}
 
 
 def compute_targets(models: dict[str, Any]) -> Targets:
@@ -194,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--inner", type=int, help=f"steps per strategy and round, the least kept (default {FULL['inner']})")
     p.add_argument("--warmup", type=int, help=f"warm-up steps per strategy (default {FULL['warmup']})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="the models' parameter dtype (default float32; bfloat16 writes to cpu-host-bf16/)")
     p.add_argument("--out", help="output directory (default benchmarks/results/cpu-host[-quick]/)")
     a = p.parse_args(argv)
     mode = QUICK if a.quick else FULL
@@ -201,14 +216,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     log = make_log(t_start)
-    out_dir = results_dir(a.out, "cpu-host" + ("-quick" if a.quick else ""))
+    dtype = DTYPES[a.dtype]
+    out_dir = results_dir(a.out, "cpu-host" + ("" if a.dtype == "float32" else "-bf16") + ("-quick" if a.quick else ""))
     preload(a.models)
     machine = machine_info("cpu", packages=("transformers",))
-    results: dict[str, Any] = {"argv": argv, "size": mode["size"], "rounds": rounds, "inner": inner,
+    results: dict[str, Any] = {"argv": argv, "size": mode["size"], "dtype": a.dtype, "rounds": rounds, "inner": inner,
                                "warmup": warmup, "seed": a.seed, "machine": machine, "models": {}}
     for m in a.models:
         log(f"{m} ({mode['size']}): {len(STRATEGIES)} strategies, {rounds} rounds of {inner} step(s)")
-        results["models"][m] = run_model(m, mode["size"], rounds, inner, warmup, a.seed, log)
+        results["models"][m] = run_model(m, mode["size"], rounds, inner, warmup, a.seed, log, dtype)
         print(f"\n{m}\n{model_markdown(results['models'][m])}\n", flush=True)
     mark_end(machine)
     results["targets"] = compute_targets(results["models"])

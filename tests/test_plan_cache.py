@@ -25,6 +25,7 @@ def planned(monkeypatch):
     table of structures: plans cached by earlier tests of the session (same model
     shapes) would otherwise be hits from the first step on."""
     monkeypatch.setattr(_structure, "_structures", {})
+    monkeypatch.setattr(_structure, "_by_key_id", {})
     calls = []
     real = _structure.Structure._closure
 

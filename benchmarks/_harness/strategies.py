@@ -55,6 +55,9 @@ DESCRIPTIONS = {
     "scope_act": "apply_recompute on the MLP activation and on the attention probabilities",
     "mode_layer": "plain, each layer's forward under a do-nothing TorchDispatchMode (the floor of any "
     "recorder that is a dispatch mode)",
+    "dynamo_layer": "plain, each layer's forward run as the steady state captures it (torch.compile, "
+    "fullgraph, the captured graph run eagerly; no scope): dynamo's guards and the function as dynamo "
+    "traces it, the floor of the steady state",
     "budget50": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.50 x plain's held after forward))",
     "budget25": "apply_recompute(model, check_fn=<layer>, budget=Budget(0.25 x plain's held after forward))",
     "scope_layer+fast": "scope_layer with GRADIENT_SCOPE_FAST=1 during the model's forward: each layer's "
@@ -222,6 +225,9 @@ def apply_strategy(
     if name == "mode_layer":
         wrap_forward(model, layers, NopMode)
         return None
+    if name == "dynamo_layer":
+        _captured_layers(model, layers)
+        return None
     if _is_budget(name):
         frac = budget_fraction(name)
         if frac is not None and plain_held is None:
@@ -231,12 +237,25 @@ def apply_strategy(
         return budget
     chosen = selection(name, layers, parts)
     if chosen is None:
-        known = ", ".join(["plain", AA, "checkpoint", "sac_matmul", "mode_layer", "scope_layer",
+        known = ", ".join(["plain", AA, "checkpoint", "sac_matmul", "mode_layer", "dynamo_layer", "scope_layer",
                            "scope_layer_savemm", "budgetNN", "budget@N", *parts])
         raise ValueError(f"unknown strategy {name!r}; the strategies are {known}")
     select, save = chosen
     gradient_scope.apply_recompute(model, check_fn=select, **({} if save is None else {"save": save}))
     return None
+
+
+def _captured_layers(model: nn.Module, select: Selector) -> None:
+    """Each selected module's forward called through the steady state's compiled function
+    (the same dynamo cache entry a scope's steady run uses), outside any scope."""
+    from gradient_scope._adapters.steady.run import _target
+
+    for m in [m for m in model.modules() if select(m)]:
+        found = _target(m.forward)
+        if found is None:
+            raise ValueError(f"dynamo_layer: {type(m).__name__}.forward is not a function dynamo can capture")
+        compiled, head = found
+        m.forward = functools.partial(compiled, *head)  # type: ignore[method-assign]
 
 
 def _offload_all_context() -> Callable[[], Any]:

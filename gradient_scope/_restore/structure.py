@@ -242,6 +242,10 @@ class Structure:
 
 _MAX_STRUCTURES = 256
 _structures: dict[Hashable, Structure] = {}
+# The same table by the key object's id, holding the key (so that its id is not reused
+# while the entry lives): a steady-state run's record carries its template's key object
+# (``_adapters.steady``), found here without hashing a key of a few thousand items.
+_by_key_id: dict[int, tuple[Hashable, Structure]] = {}
 
 
 def structure_of(record: BlockRecord) -> tuple[Structure, Slots]:
@@ -250,11 +254,18 @@ def structure_of(record: BlockRecord) -> tuple[Structure, Slots]:
     key, slots = signature(record)
     if record.open:  # its op list still grows: nothing about it is shared
         return Structure(record, slots), slots
+    hit = _by_key_id.get(id(key))
+    if hit is not None and hit[0] is key:
+        return hit[1], slots
     st = _structures.get(key)
     if st is None:
         if len(_structures) >= _MAX_STRUCTURES:
             _structures.clear()  # a model with this many block structures plans anew
+            _by_key_id.clear()
         st = _structures[key] = Structure(record, slots)
+    if len(_by_key_id) >= _MAX_STRUCTURES:
+        _by_key_id.clear()
+    _by_key_id[id(key)] = (key, st)
     return st, slots
 
 

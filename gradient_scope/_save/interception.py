@@ -129,7 +129,7 @@ class _Pack:
         self.serial = serial
 
     def __call__(self, t: torch.Tensor) -> Any:
-        st = _thread()
+        st = getattr(_tls, "st", None) or _thread()  # once per save: no call where it exists
         st.busy += 1
         try:
             return _pack.pack(self.below, self.serial, t)
