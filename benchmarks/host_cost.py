@@ -119,7 +119,8 @@ def run_model(
     plain = res["plain"]
     ops["plain_fwd_us_per_op"] = 1e6 * plain["fwd"]["time_median_s"] / ops["fwd_ops"]
     ops["plain_bwd_us_per_op"] = 1e6 * plain["bwd"]["time_median_s"] / ops["bwd_ops"]
-    return {"config": {**built.config, "dtype": str(dtype).replace("torch.", "")}, "layers": layers, "ops": ops, "host": host, **out}
+    config = {**built.config, "dtype": str(dtype).replace("torch.", "")}
+    return {"config": config, "layers": layers, "ops": ops, "host": host, **out}
 
 
 def compute_targets(models: dict[str, Any]) -> Targets:

@@ -51,6 +51,7 @@ __all__ = [
     "queue_engine_callback",
     "sequence_nr",
     "below_autograd",
+    "set_grad_mode",
     "without_autocast",
     "without_python_dispatch",
     "alias_in_dispatch",
@@ -138,6 +139,9 @@ sequence_nr: Callable[[], int] = _A._get_sequence_nr
 
 #: A guard under which ops run below autograd: no graph is built, whatever the grad mode.
 below_autograd = torch._C._AutoDispatchBelowAutograd
+
+#: Set grad mode (what ``torch.set_grad_enabled`` does, without making a context object).
+set_grad_mode: Callable[[bool], None] = torch._C._set_grad_enabled
 
 _autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _name in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):

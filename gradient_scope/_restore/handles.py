@@ -76,7 +76,13 @@ from .._base import errors as _errors
 from .._base.errors import RecomputeError, inplace_error, internal_error
 from .._base.stats import ScopeStats
 from .._base.subclass import storage_freed
-from .._base.torch_compat import below_autograd, current_graph_task, profiler_range, queue_engine_callback
+from .._base.torch_compat import (
+    below_autograd,
+    current_graph_task,
+    profiler_range,
+    queue_engine_callback,
+    set_grad_mode,
+)
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
@@ -131,11 +137,13 @@ class Handle:
 def materialize(h: Handle) -> Tensor:
     """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
     ``debug=True`` it is always replayed, then compared with the saved tensor."""
-    t = h.var()
+    var = h.var
+    t = var()
     if t is not None and t._version != h.version:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
     h.state.touched()
-    t = value_in_memory(h.var, h.version) if h.check is None else None
+    # Most block tensors are dead in backward, with no alias: nothing in memory then.
+    t = value_in_memory(var, h.version) if h.check is None and (t is not None or var.aliases) else None
     if t is not None and storage_freed(t) and not restore_freed(t):
         t = None  # emptied by someone we cannot ask (P9): replay it
     if t is not None and not h.itself and moved(h.var, t):
@@ -205,9 +213,10 @@ class _Pass:
 
     def drop_written(self) -> None:
         """Forget cached values written since they were cached: replay rebuilds them."""
-        for key in [k for k in self.cache if self.written(k)]:
+        versions = self.versions
+        for key in [k for k, v in self.cache.items() if v._version != versions[k]]:
             del self.cache[key]
-            del self.versions[key]
+            del versions[key]
 
 
 class _Stored:
@@ -341,7 +350,9 @@ class ReplayState(_Stored):
     def replay(self, h: Handle) -> Tensor:
         """Recompute ``h``'s value (P1, P2, P4)."""
         var = h.var
-        for _, post in var.root.writes:
+        root = var.root
+        writes = root.writes
+        for _, post in writes:
             if post is None:
                 raise RecomputeError(
                     f"gradient_scope: cannot recompute a {var.describe()}: it was saved before the "
@@ -356,9 +367,8 @@ class ReplayState(_Stored):
         record = self.record
         if record is None:  # P7: a live handle keeps its record
             internal_error("a block record was released early")
-        root = var.root
-        escaped = record.escaped.get(root, {}) if isinstance(root, Var) else {}
-        for member, version in escaped.items():  # P8
+        escaped = record.escaped.get(root) if record.escaped and type(root) is Var else None
+        for member, version in escaped.items() if escaped else ():  # P8
             t = tensor_of(member)
             if member is not var and (t is None or t._version != version):
                 raise RecomputeError(
@@ -371,21 +381,22 @@ class ReplayState(_Stored):
             task = current_graph_task()
             ps = self._pass(task) if task != -1 else None
             if ps is None:
-                with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
+                with _Replaying():
                     return replay(record, self.derived, var, _with_kept(self.kept, {}), (), self._stats(var))[0]
-            key = (var, len(var.root.writes))
+            key = (var, len(writes))
             cached = ps.cache.get(key)
             if cached is not None:
-                if ps.written(key):  # the same tensor, written by an earlier consumer
+                if cached._version != ps.versions[key]:  # the same tensor, written by an earlier consumer
                     raise inplace_error(var.describe(), h.version, cached._version - ps.versions[key] + h.version)
                 self._served(ps, h)
                 return cached
             ps.drop_written()
-            with _recorder.paused(), torch.enable_grad(), below_autograd(), profiler_range(_REPLAY):
+            with _Replaying():
                 cache = _with_kept(self.kept, ps.cache)
                 value, holds = replay(record, self.derived, var, cache, _wanted(ps, h), self._stats(var))
+            hold = ps.hold
             for holder, key, v in holds:
-                ps.hold(holder, key, v)
+                hold(holder, key, v)
             self._served(ps, h)
             return value
 
@@ -449,20 +460,49 @@ class ReplayState(_Stored):
             self.current = None  # nothing left to serve in this pass: free the cache
 
 
+class _Replaying:
+    """What a replay runs under (P1): this thread's recorder paused, grad mode on, below
+    autograd, and a profiler range while a profiler runs. One guard: a replay's fixed
+    cost is paid once per replay pass of a block, several times per layer."""
+
+    __slots__ = ("paused", "grad", "below", "range")
+
+    def __enter__(self) -> None:
+        self.paused = _recorder.paused()
+        self.paused.__enter__()
+        self.grad = torch.is_grad_enabled()
+        set_grad_mode(True)
+        self.below = below_autograd()
+        self.below.__enter__()
+        self.range = profiler_range(_REPLAY)
+        self.range.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.range.__exit__(None, None, None)
+        finally:
+            self.below.__exit__(None, None, None)
+            set_grad_mode(self.grad)
+            self.paused.__exit__()
+
+
 def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
     """The values the other pending handles of the pass will ask for that are
     neither cached nor in memory (P4), with the handle that will ask."""
     out: list[tuple[Var, Handle]] = []
+    cache = ps.cache
     for ref in list(ps.pending.values()):
         h2 = ref()
         if h2 is None or h2 is h:
             continue
         n2 = h2.var
-        if (n2, len(n2.root.writes)) in ps.cache:
+        root = n2 if n2.base is None else n2.base
+        if (n2, len(root.writes)) in cache:
             continue
         # A value in memory serves h2 (P3), except with debug=True, which replays:
         # then h2 shares this replay's value, as its tensor shares storage in plain.
-        if h2.check is None and value_in_memory(h2.var, h2.version) is not None:
+        # (Most tensors are dead in backward, with no alias: nothing to look up.)
+        if (n2() is not None or n2.aliases) and h2.check is None and value_in_memory(n2, h2.version) is not None:
             continue
         out.append((n2, h2))
     return out

@@ -172,8 +172,8 @@ def replay(
     refs, of = slots.refs, slots.of
 
     def available(s: int) -> bool:
-        r = refs[s]
-        return (r, 0) in cache or live_value(r) is not None  # type: ignore[arg-type]
+        r = refs[s]  # a Var: a weak reference to its tensor, dead for most values in backward
+        return (r, 0) in cache or (r() is not None and live_value(r) is not None)  # type: ignore[arg-type,operator]
 
     t = of[id(target)]
     program = st.program(st.closure(t, available), t, tuple(of[id(n)] for n, _ in wanted))

@@ -142,7 +142,7 @@ def _unpack(packed: Any) -> torch.Tensor:
         t = packed.t
         if t._version == packed.version:
             return t  # I4 holds: this path allocates nothing a garbage collection could follow
-    st = _thread()
+    st = getattr(_tls, "st", None) or _thread()
     st.busy += 1
     try:
         return _pack.unpack(packed)
