@@ -374,33 +374,29 @@ class _Sequencer:
                 f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}), the template's a "
                 f"{list(p.shape)} ({p.dtype})"
             )
-        if p.kind == OTHER:
+        kind, frame = p.kind, self.frame
+        if kind == BLOCK:  # most saves: one frame less per save than a helper would cost
+            var: Var = p.var  # type: ignore[assignment]
+            version = p.version  # in the template's count, as its writes are (P2)
+            if id(var) in self.tpl.output_ids:
+                var = self._own(var, t if p.view is None or t._base is None else t._base)
+                if not var.root.writes:  # D4: an output's own count (see ``_own``)
+                    version = t._version
+            decision = frame.store(var, t) if frame.store is not None else False
+            if decision:  # S4: kept or offloaded, as a recorded block's
+                out = store_chosen(decision, self.state, var, t, p.view, below, version)
+            else:  # S1
+                out = new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)
+        elif kind == OTHER:
             out = pack_as_usual(below, serial, t)
-        elif p.kind == KEEP:
-            store = self.frame.store
-            if store is not None and p.var is not None:
-                store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
+        else:  # KEEP
+            if frame.store is not None and p.var is not None:
+                frame.store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
             out = store_as_usual(below, t, True)
-        else:
-            out = self._block_save(p, t, below)
         gens = self.tpl.observe.get(n + 1)
         if gens:
             self.states[n + 1] = {g: g.get_state() for g in gens}
         return out
-
-    def _block_save(self, p: Save, t: Tensor, below: Any) -> Any:
-        var: Var = p.var  # type: ignore[assignment]
-        version = p.version  # in the template's count, as its writes are (P2)
-        if id(var) in self.tpl.output_ids:
-            var = self._own(var, t if p.view is None or t._base is None else t._base)
-            if not var.root.writes:  # D4: an output's own count (see ``_own``)
-                version = t._version
-        frame = self.frame
-        if frame.store is not None:
-            decision = frame.store(var, t)
-            if decision:  # S4: kept or offloaded, as a recorded block's
-                return store_chosen(decision, self.state, var, t, p.view, below, version)
-        return new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)  # S1
 
     def _own(self, tv: Var, t: Tensor) -> Var:
         """This run's Var of ``t``, the tensor template Var ``tv`` stands for, which
