@@ -496,6 +496,7 @@ def fast(monkeypatch):
     torch._dynamo.reset()  # graphs (and their templates) of earlier tests are gone
     monkeypatch.setattr(steady, "_failed", type(steady._failed)())
     monkeypatch.setattr(steady, "_failures", type(steady._failures)())
+    monkeypatch.setattr(steady, "_eager", type(steady._eager)())  # D6: no eager run seen yet
     calls = []
     real = steady._steady
 

@@ -91,6 +91,7 @@ def path(request, monkeypatch):
         torch._dynamo.reset()
         monkeypatch.setattr(steady, "_failed", type(steady._failed)())
         monkeypatch.setattr(steady, "_failures", type(steady._failures)())
+        monkeypatch.setattr(steady, "_eager", type(steady._eager)())
         real = steady._steady
 
         def counting(*args):

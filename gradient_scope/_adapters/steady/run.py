@@ -8,11 +8,13 @@ guards prove, at every call, that the function computes the same graph -- the sa
 ops on tensors of the same shapes, dtypes and devices, with the same Python
 constants, branches and global state -- and our backend runs that graph eagerly,
 op by op, with autograd as usual (the kernels, so the gradients, are the plain
-program's). The first run of a graph (per scope options) is recorded as any block;
-it becomes the graph's template (``template``). Later runs take the recorder off the
-dispatch stack and bind their record from the template instead (rules D1..D5).
+program's). A function's first call runs eagerly, recorded. The first run of a graph
+(per scope options) is recorded as any block; it becomes the graph's template
+(``template``) once its structure is shown to be the eager program's. Later runs take
+the recorder off the dispatch stack and bind their record from the template instead
+(rules D1..D6).
 
-RULES D1..D5: when a block runs in its steady state.
+RULES D1..D6: when a block runs in its steady state.
 
 D1. Only a function-form scope, entered outside any open block and outside
     backward, with grad mode on, ``debug=False``, a ``save=`` that is not a context
@@ -43,6 +45,17 @@ D4. The random states a run's random ops draw are read where the template says
     ``model_stats`` read it as a recorded record.
 D5. Everything a run sets (the thread's request, the sequencer, the recorder off
     the stack) is put back when it returns or raises.
+D6. A graph stands for the function only where it runs the ops the function runs
+    eagerly: dynamo traces code that branches on ``torch.compiler.is_compiling()``
+    down its compiled branch (Hugging Face's MoE experts, off bfloat16, take a loop of
+    matmuls there). A function's first call in a scope runs eagerly, recorded, and the
+    structure (signature) of every such eager run is noted per function and scope
+    options. A graph's first run is recorded as usual; its structure must be one an
+    eager run had, else the next call that reaches the graph runs eagerly instead
+    (the graph raises before any op of it ran) and is compared: the same structure
+    admits the graph, another one means the graph computes something else: the
+    function is recorded from then on (D2), with a warning, since one run per graph and
+    options, the first, ran the graph before it could be compared.
 """
 
 from __future__ import annotations
@@ -52,12 +65,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from ..._base.errors import RecomputeError
+from ..._base.feedback import warn_user
 from ..._base.torch_compat import (
     any_mode_active,
     current_graph_task,
@@ -91,6 +106,45 @@ _tls = threading.local()
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()  # D2: functions recorded from now on
 _compiled: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _RETIRED = object()  # a template that diverged (D3)
+#: D6: per function's code, per scope options (``_Request.key``), the structures of its
+#: eager runs (by code: a function made anew per call, a lambda or a closure, shares them).
+_eager: weakref.WeakKeyDictionary[Any, dict[Any, deque[Hashable]]] = weakref.WeakKeyDictionary()
+_EAGER_KEPT = 8  # structures noted per code and options (shapes a function is called with)
+
+
+class _RunEager(Exception):
+    """Raised by a graph whose first run's structure no eager run has shown yet (D6),
+    before any of its ops ran: the call runs the function eagerly, and compares."""
+
+    def __init__(self, graph: _Graph | None) -> None:
+        super().__init__()
+        self.graph = graph
+
+
+def _eager_keys(fn: Callable[..., Any], key: Any) -> deque[Hashable]:
+    code = getattr(fn, "__func__", fn).__code__
+    per = _eager.get(code)
+    if per is None:
+        per = _eager[code] = {}
+    keys = per.get(key)
+    if keys is None:
+        keys = per[key] = deque(maxlen=_EAGER_KEPT)
+    return keys
+
+
+def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], graph: _Graph | None) -> Any:
+    """D6: ``req``'s call run eagerly in its open block, recorded; its structure noted,
+    and compared with the first run of ``graph`` where that graph asked for it."""
+    out = req.fn(*args, **kwargs)
+    block = req.block
+    block.settle()
+    key = signature(block.record)[0]
+    keys = _eager_keys(req.fn, req.key)
+    if key not in keys:
+        keys.append(key)
+    if graph is not None:
+        graph.compared(req, key)
+    return out
 
 
 def _wanted(scope: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -153,12 +207,17 @@ def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         if block is None or len(block.frames) != 1 or block.frame.stats is not scope.stats or block.record.ops:
             return fn(*args, **kwargs)  # the scope records nothing (disabled) or is not alone
         req = _Request(scope, block, fn)
+        if not _eager_keys(fn, req.key):  # D6: the first call runs eagerly
+            return _run_eager(req, args, kwargs, None)
         prior = getattr(_tls, "request", None)
         _tls.request = req
         raised = False
+        compare: _RunEager | None = None
         try:
             with _recorder.suspended():
                 out = compiled(*head, *args, **kwargs)
+        except _RunEager as e:  # D6: nothing of the graph ran
+            compare = e
         except Exception as e:
             if req.entered:
                 raise
@@ -167,6 +226,8 @@ def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                 _failed_once(fn, e)
         finally:
             _tls.request = prior
+        if compare is not None:
+            return _run_eager(req, args, kwargs, compare.graph)
         if raised:
             return fn(*args, **kwargs)
         if not req.entered:  # D2: dynamo ran it without our graph (no op, or a skipped frame)
@@ -208,6 +269,9 @@ class _Graph:
         # (id of the save= option, preserve_rng_state) -> (that option, its template or
         # _RETIRED): the option is held, so that its id names it while the entry lives.
         self.templates: dict[Any, tuple[Any, Any]] = {}
+        # D6: per scope options, the structure of the graph's first run, until an eager
+        # run of the function showed the same one.
+        self.unverified: dict[Any, Hashable] = {}
         # T4: a nested scope's annotation, or a higher-order op (a checkpoint's region,
         # flex_attention: what it does is not the recorder's to bind), is recorded every run.
         self.nested: bool = any(
@@ -221,11 +285,15 @@ class _Graph:
         if req is None or req.entered:
             with _recorder.reinstated():
                 return self.gm(*args)
-        req.entered = True
-        if self.nested:  # T4: recorded as usual, now and (D2) from the next call on
+        if self.nested:  # T4: recorded as usual, eagerly, now and (D2) from the next call on
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
-            with _recorder.reinstated():
-                return self.gm(*args)
+            raise _RunEager(None)
+        pending = self.unverified.get(req.key)
+        if pending is not None:  # D6
+            if pending not in _eager_keys(req.fn, req.key):
+                raise _RunEager(self)
+            del self.unverified[req.key]
+        req.entered = True
         entry = self.templates.get(req.key)
         tpl = entry[1] if entry is not None and entry[0] is req.save else None
         if tpl is None:
@@ -269,7 +337,27 @@ class _Graph:
         if tpl is not None:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
         self.templates[req.key] = (req.save, tpl if tpl is not None else _RETIRED)
+        key = tpl.key if tpl is not None else signature(block.record)[0]
+        if key not in _eager_keys(req.fn, req.key):  # D6: compared at the next call that reaches it
+            self.unverified[req.key] = key
         return out
+
+    def compared(self, req: _Request, key: Hashable) -> None:
+        """D6: an eager run of a call that reached this graph, whose structure is ``key``."""
+        pending = self.unverified.get(req.key)
+        if pending is None or pending == key:
+            self.unverified.pop(req.key, None)
+            return
+        func = getattr(req.fn, "__func__", req.fn)
+        if func in _failed:
+            return
+        _give_up(req.fn, "its graph runs other ops than the function does eagerly")
+        warn_user(
+            f"gradient_scope: {func.__qualname__} runs other ops when dynamo traces it than when it runs "
+            "eagerly (code that branches on torch.compiler.is_compiling(), e.g. Hugging Face's MoE "
+            "experts off bfloat16). Its first captured run computed dynamo's version, as under "
+            "torch.compile; from now on its scopes are recorded eagerly, with no steady state."
+        )
 
 
 class _Logger:
