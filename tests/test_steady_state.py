@@ -514,3 +514,27 @@ def test_a_function_dynamo_traces_down_another_branch_is_recorded_eagerly(fast):
     assert same == [True, False, True, True, True]  # call 2: the graph's first run
     assert len([c for c in caught if "dynamo traces it" in str(c.message)]) == 1
     assert len(fast) == 0
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = self.fc(h)
+        return torch.sin(y) if torch.compiler.is_compiling() else torch.cos(y)
+
+
+def test_a_call_that_runs_eagerly_instead_of_its_graph_leaves_nothing_behind(fast):
+    """D6 with layers that take each other's outputs: the call that runs eagerly instead of
+    the graph (its frame saw the exception that said so) keeps no block tensor alive, so
+    the hook pair leaves with the step's last tensor (checked without gc)."""
+    model = nn.Sequential(*[_Branching() for _ in range(3)])
+    apply_recompute(model, check_fn=_Branching)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="runs other ops when dynamo traces it"):
+        for _ in range(3):
+            model(x).sum().backward()
+            assert_stacks_clean()
+    assert len(fast) == 0

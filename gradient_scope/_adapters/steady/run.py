@@ -211,13 +211,13 @@ def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
             return _run_eager(req, args, kwargs, None)
         prior = getattr(_tls, "request", None)
         _tls.request = req
-        raised = False
-        compare: _RunEager | None = None
+        raised = eager = False
+        graph: _Graph | None = None
         try:
             with _recorder.suspended():
                 out = compiled(*head, *args, **kwargs)
-        except _RunEager as e:  # D6: nothing of the graph ran
-            compare = e
+        except _RunEager as e:  # D6: nothing of the graph ran (e is not kept: its traceback
+            eager, graph = True, e.graph  # holds this frame, whose locals hold the block's tensors)
         except Exception as e:
             if req.entered:
                 raise
@@ -226,8 +226,8 @@ def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
                 _failed_once(fn, e)
         finally:
             _tls.request = prior
-        if compare is not None:
-            return _run_eager(req, args, kwargs, compare.graph)
+        if eager:
+            return _run_eager(req, args, kwargs, graph)
         if raised:
             return fn(*args, **kwargs)
         if not req.entered:  # D2: dynamo ran it without our graph (no op, or a skipped frame)
