@@ -24,7 +24,7 @@ from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute, recompute_scope
 from gradient_scope._budget.streams import host_copy_stand_in
 
-from conftest import DEVICES, assert_all_same, pinned_cpu_rates
+from conftest import DEVICES, ResidualMLP, assert_all_same, pinned_cpu_rates
 
 STRESS_STEPS = int(os.environ.get("GRADIENT_SCOPE_OFFLOAD_STRESS_STEPS", "6"))
 
@@ -37,12 +37,8 @@ def _fixed_rates():
         yield
 
 
-class Block(nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
+class Block(ResidualMLP):
+    """conftest's residual MLP whose output also goes through a saved view with strides of its own."""
 
     def forward(self, x):
         h = F.gelu(self.fc1(self.ln(x)))
