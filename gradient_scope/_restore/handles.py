@@ -146,7 +146,7 @@ def materialize(h: Handle) -> Tensor:
     t = value_in_memory(var, h.version) if h.check is None and (t is not None or var.aliases) else None
     if t is not None and storage_freed(t) and not restore_freed(t):
         t = None  # emptied by someone we cannot ask (P9): replay it
-    if t is not None and not h.itself and moved(h.var, t):
+    if t is not None and not h.itself and moved(var, t):
         t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
         h.state.served(h)

@@ -129,7 +129,7 @@ class _Pack:
         self.serial = serial
 
     def __call__(self, t: torch.Tensor) -> Any:
-        st = getattr(_tls, "st", None) or _thread()  # once per save: no call where it exists
+        st = _thread()
         st.busy += 1
         try:
             return _pack.pack(self.below, self.serial, t)
@@ -142,7 +142,7 @@ def _unpack(packed: Any) -> torch.Tensor:
         t = packed.t
         if t._version == packed.version:
             return t  # I4 holds: this path allocates nothing a garbage collection could follow
-    st = getattr(_tls, "st", None) or _thread()
+    st = _thread()
     st.busy += 1
     try:
         return _pack.unpack(packed)
