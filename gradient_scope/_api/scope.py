@@ -15,7 +15,7 @@ import torch
 from .._base import torch_compat as _torch_compat
 from .._base.errors import Site, check_bool, where
 from .._base.feedback import unknown_options, warn_once, warn_user
-from .._base.options import scopes_disabled
+from .._base.options import ScopeOptions, scopes_disabled
 from .._base.stats import ScopeStats
 from .._base.torch_compat import profiler_range
 from .._budget.budget import Budget
@@ -24,7 +24,7 @@ from .._record.entry import OpenBlock
 from .._record.types import BlockRecord, Frame
 from .._restore.handles import ReplayState
 from .._save import interception as _interception
-from ..policies import as_save_policy, is_built_in
+from ..policies import ContextPolicy, as_save_policy, is_built_in
 
 __all__ = ["recompute_scope", "recompute", "set_traced_block", "set_steady_runner", "run_in_scope"]
 
@@ -52,13 +52,15 @@ def set_traced_block(fn: Callable[..., Any]) -> Callable[[], None]:
 
 
 # How a function-form scope (helpers, decorators, ``checkpoint``) runs its function:
-# ``runner(scope, fn, args, kwargs)``, registered by the package (``_adapters.steady``:
-# a block whose structure was seen before runs without the recorder). None: in the scope.
-_steady_runner: list[Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]] = []
+# ``runner(options, scope, fn, args, kwargs)``, registered by the package
+# (``_adapters.steady``: a block whose structure was seen before runs without the
+# recorder). It reads the scope's options, typed, and only enters the scope. None: in the scope.
+SteadyRunner = Callable[[ScopeOptions, Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_steady_runner: list[SteadyRunner] = []
 
 
-def set_steady_runner(fn: Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]) -> None:
-    """Make ``fn(scope, function, args, kwargs)`` run every function-form scope."""
+def set_steady_runner(fn: SteadyRunner) -> None:
+    """Make ``fn(options, scope, function, args, kwargs)`` run every function-form scope."""
     _steady_runner[:] = [fn]
 
 
@@ -67,7 +69,15 @@ def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
     :class:`recompute_scope`, else plainly (``scope`` is the compiled graph's
     annotation while dynamo traces)."""
     if _steady_runner and type(scope) is recompute_scope:
-        return _steady_runner[0](scope, fn, args, kwargs)
+        opts = scope._options
+        options = ScopeOptions(
+            save=opts["save"],
+            contextual=isinstance(scope._save, ContextPolicy),
+            preserve_rng_state=opts["preserve_rng_state"],
+            debug=opts["debug"],
+            stats=scope._stats,
+        )
+        return _steady_runner[0](options, scope, fn, args, kwargs)
     with scope:
         return fn(*args, **kwargs)
 

@@ -1,5 +1,8 @@
 """Option values and the process-wide switch that turns every scope off.
 
+:class:`ScopeOptions` is what a scope tells the stages that run its function without
+the scope object itself (``_adapters.steady``): typed, frozen, read-only.
+
 The switch is read when a scope is entered (``recompute_scope.__enter__``, and
 while ``torch.compile`` traces a scope): a scope entered while it is on records
 nothing, exactly like ``recompute_scope(enabled=False)``. Blocks entered before
@@ -12,13 +15,41 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["disabled", "scopes_disabled", "ENV_VAR"]
+from .stats import ScopeStats
+
+__all__ = ["disabled", "scopes_disabled", "ENV_VAR", "ScopeOptions"]
 
 #: The environment variable that turns every scope off (``1``, ``true``, ``yes``, ``on``).
 ENV_VAR = "GRADIENT_SCOPE_DISABLE"
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"", "0", "false", "no", "off"})
+
+
+@dataclass(frozen=True)
+class ScopeOptions:
+    """The options of one function-form scope, as the steady-state runner reads them.
+
+    Example::
+
+        >>> from gradient_scope._base.options import ScopeOptions
+        >>> from gradient_scope._base.stats import ScopeStats
+        >>> opts = ScopeOptions(save=None, contextual=False, preserve_rng_state=True, debug=False, stats=ScopeStats())
+        >>> opts.debug
+        False
+    """
+
+    #: The ``save=`` option as given (templates are kept per option: its identity names it).
+    save: Any
+    #: Whether the save policy is a context policy (it reads the running module of each op).
+    contextual: bool
+    preserve_rng_state: bool
+    debug: bool
+    #: The scope's counters: a block whose outermost frame counts into them is the scope's.
+    stats: ScopeStats
+
 
 _lock = threading.Lock()
 _depth = 0  # open ``disabled()`` contexts, all threads together

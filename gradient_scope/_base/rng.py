@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture", "replay_with_state"]
+__all__ = ["capture", "replay_with_state", "default_generators"]
 
 
 def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
@@ -27,6 +27,17 @@ def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
         # torch < 2.9 raises here after set_default_device(None); factories then
         # default to the device of a plain empty tensor, as get_default_device says.
         return torch.empty(()).device
+
+
+def default_generators() -> list[torch.Generator]:
+    """The default generators a block's random ops may draw from: the CPU's, and each
+    initialised CUDA device's (CUDA is not initialised here). What a steady-state run
+    observes (``_record.template`` T3) and what the recorder captures per op
+    (:func:`_default_generator`) are these."""
+    gens = [torch.default_generator]
+    if torch.cuda.is_initialized():
+        gens.extend(torch.cuda.default_generators)
+    return gens
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:

@@ -1,7 +1,9 @@
 """The record of a block: the types a recording is made of and replay reads.
 
-Only the recorder (``_record.recorder``, through ``_record.entry``) creates and writes these
-objects; the save path (``_save.pack``) and replay (``_restore.handles``, ``_restore.replay``) read them.
+Only ``_record`` creates and writes these objects: the recorder (``_record.recorder``,
+through ``_record.entry``) for a recorded block, the binder (``_record.bind``) for a block
+run in its steady state, from its template (``_record.template``). The save path
+(``_save``) and replay (``_restore.handles``, ``_restore.replay``) read them.
 In a record:
 
 * each op is an :class:`OpRecord` ``(func, args, kwargs, rng, outs)``;
@@ -49,6 +51,7 @@ __all__ = [
     "Write",
     "NO_KWARGS",
     "new_var",
+    "template_var",
     "data_ptr",
     "moved",
     "live_value",
@@ -62,7 +65,7 @@ NO_KWARGS: dict[str, Any] = {}  # the kwargs of most records: shared, never writ
 class Var(Entry):
     """A tensor the block made: where it came from and what it looked like. It is
     also the tensor's registry entry (a weak reference to it): one object per op.
-    Made by :func:`new_var`."""
+    Made by :func:`new_var` (a template's copy: :func:`template_var`)."""
 
     __slots__ = ("op", "size", "dtype", "device", "version", "ptr", "base", "writes")
 
@@ -108,6 +111,18 @@ def new_var(t: Tensor, op: int, frame: Frame, root: Group | None, version: int) 
     v.base = root
     v.writes = ()
     return v
+
+
+def template_var(v: Var, anchor: Tensor, frame: Frame) -> Var:
+    """A copy of ``v`` for a template (``_record.template``): its metadata, a weak reference to
+    ``anchor`` instead of a tensor, ``frame`` instead of the run's, no data pointer; its
+    ``base`` set by the caller once every copy exists."""
+    c = Var(anchor)
+    c.key, c.frame, c.aliases = 0, frame, None
+    c.op, c.size, c.dtype, c.device, c.version, c.ptr = v.op, v.size, v.dtype, v.device, v.version, None
+    c.base = None
+    c.writes = list(v.writes) if v.writes else ()
+    return c
 
 
 def data_ptr(t: Tensor) -> int | None:

@@ -62,6 +62,8 @@ from .._record.types import Input, Var, ViewSpec, moved
 __all__ = [
     "pack",
     "pack_as_usual",
+    "find",
+    "replayable",
     "store_chosen",
     "unpack",
     "add_pack_listener",
@@ -192,9 +194,31 @@ def may_be_new_output(t: Tensor) -> bool:
     return node_sequence_nr(g) == sequence_nr() - 1 or isinstance(g, BackwardCFunction)
 
 
-def _replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
+def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
+    """What the registry says of ``t``, being saved: its entry (a block's Var), or that of
+    its base with ``t``'s view of it; and whether a block made ``t`` or its base (a view
+    that cannot be rebuilt has no entry, but was made by a block). The first question of
+    every save, in both of a block's ways to run (S1, S5)."""
+    entry = lookup(t)
+    if entry is not None:
+        return entry, None, True
+    base = t._base
+    if base is None:
+        return None, None, False
+    entry = lookup(base)
+    if entry is None:
+        return None, None, False
+    view = ViewSpec.of(t, base)
+    if view is None:
+        return None, None, True
+    return entry, view, True
+
+
+def replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
     """``t``'s Var if a replay rebuilds ``t`` (a block tensor, or ``view`` of one) as
-    autograd saves it now, else None: it must be stored (S1)."""
+    autograd saves it now, else None: it must be stored (S1). The one classifier of a
+    block tensor's save: a recorded run's pack asks it per save, a template's first run
+    per save of the template (``_save.sequencer``)."""
     var: Var = entry  # type: ignore[assignment]  # only Vars are registered
     root = var.root
     if isinstance(root, Input):
@@ -375,23 +399,12 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
 
 def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
     """S1..S4 for ``t``, found by the registry."""
-    entry = lookup(t)
-    view = None
-    made_by_block = entry is not None
-    if entry is None:
-        base = t._base
-        if base is not None:
-            entry = lookup(base)
-            if entry is not None:
-                made_by_block = True
-                view = ViewSpec.of(t, base)
-                if view is None:
-                    entry = None
+    entry, view, made_by_block = find(t)
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
         frame = entry.frame
         store = frame.store(entry, t) if frame.store is not None else False  # asked for every save (M3)
-        var = _replayable(entry, t, view)
+        var = replayable(entry, t, view)
         if var is not None:
             if store and not frame.debug:
                 return store_chosen(store, frame.owner, var, t, view, below)  # S4

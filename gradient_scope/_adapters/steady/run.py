@@ -67,12 +67,14 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
-from ..._base.errors import RecomputeError
 from ..._base.feedback import warn_user
+from ..._base.options import ScopeOptions
+from ..._base.rng import default_generators
 from ..._base.torch_compat import (
     any_mode_active,
     current_graph_task,
@@ -82,21 +84,13 @@ from ..._base.torch_compat import (
     is_recompile_limit,
 )
 from ..._record import recorder as _recorder
-from ..._record.registry import _LIVE, lookup, register
-from ..._record.signature import Slots, signature
-from ..._record.types import BlockRecord, Frame, Input, Var, ViewSpec, moved, new_var
-from ..._restore.handles import ReplayState
-from ..._save.pack import (
-    may_be_new_output,
-    new_handle,
-    pack_as_usual,
-    sequencing,
-    store_as_usual,
-    store_chosen,
-)
-from ...policies import ContextPolicy
+from ..._record.bind import Binding
+from ..._record.signature import signature
+from ..._record.template import Log, Template, build
+from ..._record.types import Input
+from ..._save.pack import sequencing
+from ..._save.sequencer import Logger, Sequencer
 from .capture import NodeValues, locate, take, with_extra_outputs
-from .template import BLOCK, KEEP, OTHER, Log, Save, Template, bound_op, build, default_generators, input_of
 
 __all__ = ["run"]
 
@@ -147,10 +141,10 @@ def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], gra
     return out
 
 
-def _wanted(scope: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _wanted(opts: ScopeOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """D1, before the scope is entered."""
     setting = os.environ.get("GRADIENT_SCOPE_FAST", "")
-    if setting == "0" or scope._options["debug"] or isinstance(scope._save, ContextPolicy):
+    if setting == "0" or opts.debug or opts.contextual:
         return False
     if setting != "1" and not any(type(a) is Tensor and a.is_cuda for a in (*args, *kwargs.values())):
         return False
@@ -186,27 +180,34 @@ class _Request:
 
     __slots__ = ("key", "block", "entered", "save", "fn")
 
-    def __init__(self, scope: Any, block: Any, fn: Callable[..., Any]) -> None:
+    def __init__(self, opts: ScopeOptions, block: Any, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        save = scope._options["save"]
+        save = opts.save
         self.save = save  # held: the key names it by id
-        self.key = (id(save), scope._options["preserve_rng_state"])
+        self.key = (id(save), opts.preserve_rng_state)
         self.block = block
         self.entered = False
 
 
-def run(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``fn(*args, **kwargs)`` in ``scope``, in its steady state where D1 allows."""
-    target = _target(fn) if _wanted(scope, args, kwargs) else None
+def run(
+    opts: ScopeOptions,
+    scope: AbstractContextManager[Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``scope`` (a scope with options ``opts``), in its
+    steady state where D1 allows."""
+    target = _target(fn) if _wanted(opts, args, kwargs) else None
     if target is None:
         with scope:
             return fn(*args, **kwargs)
     compiled, head = target
     with scope:
         block = _recorder.innermost()
-        if block is None or len(block.frames) != 1 or block.frame.stats is not scope.stats or block.record.ops:
+        if block is None or len(block.frames) != 1 or block.frame.stats is not opts.stats or block.record.ops:
             return fn(*args, **kwargs)  # the scope records nothing (disabled) or is not alone
-        req = _Request(scope, block, fn)
+        req = _Request(opts, block, fn)
         if not _eager_keys(fn, req.key):  # D6: the first call runs eagerly
             return _run_eager(req, args, kwargs, None)
         prior = getattr(_tls, "request", None)
@@ -330,7 +331,7 @@ class _Graph:
         log = Log()
         log.start = {g: g.get_state() for g in default_generators()}
         saved_before = block.frame.stats.ops_saved
-        with _recorder.reinstated(), sequencing(_Logger(block, log)):
+        with _recorder.reinstated(), sequencing(Logger(block, log)):
             out = self.gm(*args)
         block.settle()
         tpl = build(block.record, log, args, out, len(block.frames), self.nested)
@@ -360,189 +361,21 @@ class _Graph:
         )
 
 
-class _Logger:
-    """The sequencer of a template's first run: every save as usual, and logged (T2)."""
-
-    __slots__ = ("block", "log")
-
-    def __init__(self, block: Any, log: Log) -> None:
-        self.block, self.log = block, log
-
-    def pack(self, below: Any, serial: int, t: Tensor) -> Any:
-        _recorder.settle()  # R6: versions of the last op's writes
-        log = self.log
-        log.seen.append(len(self.block.record.ops))
-        save, var = _classify(t, self.block.owner)
-        out = pack_as_usual(below, serial, t)
-        log.saves.append((save, var))
-        log.states.append({g: g.get_state() for g in log.start})
-        return out
-
-
-def _classify(t: Tensor, owner: Any) -> tuple[Save, Var | None]:
-    """T2 for ``t``, saved in a recorded run whose block's replay state is ``owner``."""
-    view = None
-    e = lookup(t)
-    base = t
-    if e is None and t._base is not None:
-        base = t._base
-        e = lookup(base)
-        view = ViewSpec.of(t, base) if e is not None else None
-        if view is None:
-            e = None
-    if e is None or e.frame.owner is not owner:
-        return Save(OTHER, None, None, False, -1, t.shape, t.dtype), None
-    var: Var = e  # type: ignore[assignment]
-    root = var.root
-    writes = root.writes
-    expected = writes[-1][1] if writes else var.version
-    if type(root) is Input:  # a view of an outside tensor: its counter is not the block's
-        return Save(KEEP, var, view, False, -1, t.shape, t.dtype), var
-    kind = KEEP if t._version != expected or moved(var, base) else BLOCK
-    itself = view is None and not may_be_new_output(t)
-    return Save(kind, var, view, itself, t._version, t.shape, t.dtype), var
-
-
 def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any:
+    """D3, D4: a run bound from ``tpl`` (``_record.bind``), its saves sequenced (``_save.sequencer``)."""
     block = req.block
-    record: BlockRecord = block.record
-    inputs: list[Any] = [input_of(args[k], _LIVE.get(id(args[k]))) if k >= 0 else None for k in tpl.args]
-    ops = list(tpl.ops)
-    for i in tpl.input_ops:
-        ops[i] = bound_op(ops[i], inputs)
-    refs, of = list(tpl.refs), dict(tpl.of)
-    for inp, s in zip(inputs, tpl.input_slots):
-        if inp is not None:
-            refs[s] = inp
-            of[id(inp)] = s
-    record.ops.extend(ops)
-    record.signature = (tpl.key, Slots(refs, of))
-    record.registered = []  # D4: the Vars of the tensors that outlive the run, as they are made
-    state: ReplayState = block.owner
-    state.stats, state.site = block.frame.stats, block.frame.site
-    seq = _Sequencer(tpl, block.frame, state, record, refs, of)
-    seq.states[0] = {g: g.get_state() for g in tpl.at_start}
+    seq = Sequencer(tpl, block.frame, block.owner, Binding(tpl, block.record, block.frame, args))
     try:
         with sequencing(seq):
             out = (tpl.gm or graph.gm)(*args)
-        extras: Any = ()
+        taken: list[Any] = []
         if tpl.captured:  # T6: the graph returns the values that hold them too
             n = len(out) - len(tpl.captured)
             out, extras = tuple(out[:n]), out[n:]
-        seq.finish(out, extras, inputs)
+            if tpl.capture:
+                taken = [take(extras[e], j, layout) for e, j, layout in tpl.capture]
+        seq.finish(out, taken)
     finally:
         if seq.diverged:  # D3: recorded from the next run on
             graph.templates[req.key] = (req.save, _RETIRED)
     return out
-
-
-class _Sequencer:
-    """The saves of one steady run (S5, D3, D4)."""
-
-    __slots__ = ("tpl", "frame", "state", "record", "refs", "of", "n", "vars", "states", "diverged")
-
-    def __init__(
-        self, tpl: Template, frame: Frame, state: ReplayState, record: BlockRecord, refs: list[Any], of: dict[int, int]
-    ) -> None:
-        self.tpl, self.frame, self.state, self.record, self.refs, self.of = tpl, frame, state, record, refs, of
-        self.n = 0  # saves so far
-        self.vars: dict[int, Var] = {}  # id(template Var) -> this run's Var of a tensor that outlives it
-        self.states: dict[int, dict[torch.Generator, Tensor]] = {}  # observation -> generator states
-        self.diverged = False
-
-    def pack(self, below: Any, serial: int, t: Tensor) -> Any:
-        n = self.n
-        self.n = n + 1
-        saves = self.tpl.saves
-        if n >= len(saves):
-            self._diverged(f"save {n + 1} of a run whose template saves {len(saves)} tensors")
-        p = saves[n]
-        if t.shape != p.shape or t.dtype != p.dtype:
-            self._diverged(
-                f"save {n + 1} is a tensor of shape {list(t.shape)} ({t.dtype}), the template's a "
-                f"{list(p.shape)} ({p.dtype})"
-            )
-        kind, frame = p.kind, self.frame
-        if kind == BLOCK:  # most saves: one frame less per save than a helper would cost
-            var: Var = p.var  # type: ignore[assignment]
-            version = p.version  # in the template's count, as its writes are (P2)
-            if id(var) in self.tpl.output_ids:
-                var = self._own(var, t if p.view is None or t._base is None else t._base)
-                if not var.root.writes:  # D4: an output's own count (see ``_own``)
-                    version = t._version
-            decision = frame.store(var, t) if frame.store is not None else False
-            if decision:  # S4: kept or offloaded, as a recorded block's
-                out = store_chosen(decision, self.state, var, t, p.view, below, version)
-            else:  # S1
-                out = new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)
-        elif kind == OTHER:
-            out = pack_as_usual(below, serial, t)
-        else:  # KEEP
-            if frame.store is not None and p.var is not None:
-                frame.store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
-            out = store_as_usual(below, t, True)
-        gens = self.tpl.observe.get(n + 1)
-        if gens:
-            self.states[n + 1] = {g: g.get_state() for g in gens}
-        return out
-
-    def _own(self, tv: Var, t: Tensor) -> Var:
-        """This run's Var of ``t``, the tensor template Var ``tv`` stands for, which
-        outlives the run (an output): registered, its op rebuilt (D4)."""
-        var = self.vars.get(id(tv))
-        if var is not None:
-            return var
-        root = tv.base
-        if type(root) is Var and id(root) in self.tpl.output_ids:
-            root = self._own(root, t._base if t._base is not None else t)
-        # Its version: the template's where its group has recorded writes (P2 compares
-        # them), else the tensor's own -- a custom op whose kernel fills its output in
-        # place bumps the output's counter when no dispatch mode is on, not under one.
-        var = new_var(t, tv.op, self.frame, root, tv.version if tv.root.writes else t._version)
-        if tv.writes:
-            var.writes = tv.writes
-        register(var)
-        self.record.registered.append(var)  # type: ignore[union-attr]
-        self.vars[id(tv)] = var
-        s = self.of[id(tv)]
-        self.refs[s] = var
-        self.of[id(var)] = s
-        ops = self.record.ops
-        rec = ops[tv.op]
-        self.record.renamed[id(tv)] = next(k for k, v in enumerate(rec.outs) if v is tv)
-        ops[tv.op] = rec._replace(outs=tuple(var if v is tv else v for v in rec.outs))
-        return var
-
-    def finish(self, out: Any, extras: Any, inputs: list[Any]) -> None:
-        """After the graph returned: every save seen; outputs, the outside tensors the
-        block made itself (T6) and random states bound (D4)."""
-        tpl = self.tpl
-        if tpl.capture:
-            for k, (e, j, layout) in zip(tpl.captured, tpl.capture):
-                inp = inputs[k] = Input(take(extras[e], j, layout))
-                s = tpl.input_slots[k]
-                self.refs[s] = inp
-                self.of[id(inp)] = s
-            for i in tpl.late_ops:
-                self.record.ops[i] = bound_op(self.record.ops[i], inputs)
-        if self.n != len(tpl.saves):
-            self._diverged(f"the run saved {self.n} tensors, its template {len(tpl.saves)}")
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for tv, o in zip(tpl.outputs, outs):
-            if tv is not None and isinstance(o, Tensor):
-                self._own(tv, o)
-        ops = self.record.ops
-        for i, gen, at in tpl.rng_ops:
-            ops[i] = ops[i]._replace(rng=(gen, self.states[at][gen]))
-        if tpl.ops_saved:  # the ops save= kept ran in the graph, unseen by the recorder
-            self.frame.stats.ops_saved += tpl.ops_saved
-            self.frame.kept_any = True
-
-    def _diverged(self, what: str) -> None:
-        self.diverged = True
-        raise RecomputeError(
-            "gradient_scope: a block run in its steady state (captured by dynamo, bound from the "
-            f"record of its first run) did not save what that run saved: {what}. Its guards passed, "
-            "so this is a bug in gradient_scope: please report it. Workaround: set the environment "
-            "variable GRADIENT_SCOPE_FAST=0 (every block is then recorded)."
-        )

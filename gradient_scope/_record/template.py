@@ -1,13 +1,13 @@
 """A block's template: what one recorded run of a captured graph tells every later run.
 
-A graph that dynamo captured (``run``) computes the same ops every time its guards
+A graph that dynamo captured (``_adapters.steady``) computes the same ops every time its guards
 pass: only the tensors differ. Its first run in a scope is recorded as usual; the
 record, the saves made during it, and the random states its random ops drew, make
 a :class:`Template` -- plain metadata: fresh copies of the record's Vars (no tensor,
 no frame of that run), a marker per outside tensor (which graph argument it is), and
 per save what it was. A later run binds a record of its own from the template
-(:func:`bind`): its own Inputs, its own Vars for the tensors that outlive it, its own
-random states. Replay of that record is replay of a recorded block.
+(``_record.bind``): its own Inputs, its own Vars for the tensors that outlive it, its own
+random states (``_record.bind``). Replay of that record is replay of a recorded block.
 
 RULES T1..T6: what makes a recorded run a template.
 
@@ -43,11 +43,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..._base.stats import ScopeStats
-from ..._base.torch_compat import NumericContext
-from ..._record.registry import lookup, note_alias
-from ..._record.signature import Slots, signature
-from ..._record.types import BlockRecord, Frame, Input, OpRecord, Var, ViewSpec
+from .._base.rng import default_generators
+from .._base.stats import ScopeStats
+from .._base.torch_compat import NumericContext
+from .registry import lookup
+from .signature import Slots, signature
+from .types import BlockRecord, Frame, Input, OpRecord, Var, ViewSpec, template_var
 
 __all__ = [
     "Save",
@@ -55,9 +56,6 @@ __all__ = [
     "Marker",
     "Log",
     "build",
-    "bound_op",
-    "input_of",
-    "default_generators",
     "OTHER",
     "BLOCK",
     "KEEP",
@@ -99,14 +97,6 @@ class Marker(Input):
 
 def _nothing() -> None:
     return None
-
-
-def default_generators() -> list[torch.Generator]:
-    """The default generators whose states a run may observe (CUDA: initialised devices)."""
-    gens = [torch.default_generator]
-    if torch.cuda.is_initialized():
-        gens.extend(torch.cuda.default_generators)
-    return gens
 
 
 _TEMPLATE_FRAME = Frame(False, None, False, ScopeStats(), 0)  # the frame of template Vars: never used
@@ -164,7 +154,7 @@ class Template:
 
 
 class Log:
-    """What a template's first run saw (filled by ``run``'s logging sequencer)."""
+    """What a template's first run saw (filled by ``_save.sequencer.Logger``)."""
 
     __slots__ = ("saves", "seen", "states", "start")
 
@@ -230,11 +220,7 @@ def _copy_refs(slots: Slots, args: list[Any], t: Template) -> dict[int, Any] | N
             v: Var = r  # type: ignore[assignment]
             if v.size is None or any(w is None for _, w in v.writes):
                 return None  # T1: a jagged nested tensor, an unreplayable write
-            c = Var(anchor)
-            c.key, c.frame, c.aliases = 0, _TEMPLATE_FRAME, None
-            c.op, c.size, c.dtype, c.device, c.version, c.ptr = v.op, v.size, v.dtype, v.device, v.version, None
-            c.base = None
-            c.writes = list(v.writes) if v.writes else ()
+            c = template_var(v, anchor, _TEMPLATE_FRAME)
         copies[id(r)] = c
         t.refs.append(c)
         t.of[id(c)] = s
@@ -303,34 +289,3 @@ def _observations(record: BlockRecord, log: Log, t: Template) -> bool:
             t.at_start.append(gen)
         last_random = i
     return True
-
-
-def input_of(t: Tensor, registered: Any) -> Input:
-    """A run's Input for graph argument ``t`` (R5: another block's live tensor is noted)."""
-    inp = Input(t)
-    if registered is not None and registered() is t and not inp.snapshot:
-        note_alias(registered, inp.tensor)
-    return inp
-
-
-def bound_op(rec: OpRecord, inputs: list[Input]) -> OpRecord:
-    """``rec`` with its markers replaced by this run's Inputs."""
-    args = rec.args.copy()
-    for i, a in enumerate(args):  # most markers are positional arguments themselves
-        t = type(a)
-        if t is Marker:
-            args[i] = inputs[a.k]
-        elif t is list:
-            args[i] = _bind(a, inputs)
-    kwargs = {k: _bind(a, inputs) for k, a in rec.kwargs.items()} if rec.kwargs else rec.kwargs
-    return tuple.__new__(OpRecord, (rec.func, args, kwargs, rec.rng, rec.outs))  # OpRecord(...), in C
-
-
-def _bind(a: Any, inputs: list[Input]) -> Any:
-    # A module-level function, not a closure: a recursive closure is a reference cycle
-    # that would keep the run's Inputs (its activations) alive until a collection.
-    if type(a) is Marker:
-        return inputs[a.k]
-    if type(a) is list:
-        return [_bind(x, inputs) for x in a]
-    return a
