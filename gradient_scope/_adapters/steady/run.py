@@ -10,8 +10,9 @@ constants, branches and global state -- and our backend runs that graph eagerly,
 op by op, with autograd as usual (the kernels, so the gradients, are the plain
 program's). A function's first call runs eagerly, recorded. The first run of a graph
 (per scope options) is recorded as any block; it becomes the graph's template
-(``template``) once its structure is shown to be the eager program's. Later runs take
-the recorder off the dispatch stack and bind their record from the template instead
+(``_record.template``) once its structure is shown to be the eager program's. Later runs
+take the recorder off the dispatch stack and bind their record from the template instead
+(``_record.bind``), their saves taken in order by a sequencer (``_save.sequencer``)
 (rules D1..D6).
 
 RULES D1..D6: when a block runs in its steady state.
@@ -30,7 +31,8 @@ D2. A call that dynamo cannot capture whole runs recorded, as any block: nothing
     is recorded from then on, for the life of the process (logged: logger
     ``gradient_scope``, DEBUG); past dynamo's recompile limit, calls whose graph
     dynamo has keep their steady state and the others are recorded.
-D3. The saves of a steady run go to its sequencer (``_save.pack`` S5), which takes
+D3. The saves of a steady run go to its sequencer (``_save.pack`` S5,
+    ``_save.sequencer``), which takes
     the n-th save to be the template's n-th (T2) and checks its shape and dtype: a
     mismatch, or another number of saves, raises ``RecomputeError`` (never a silent
     wrong gradient) and retires the template. (Versions are not compared: a custom
@@ -38,7 +40,7 @@ D3. The saves of a steady run go to its sequencer (``_save.pack`` S5), which tak
     A handle of a tensor that dies in the run carries the template's version, which
     its recorded writes are counted in.)
 D4. The random states a run's random ops draw are read where the template says
-    (T3), and bound into the run's record with its Inputs, its output Vars (made
+    (T3), and bound (``_record.bind``) into the run's record with its Inputs, its output Vars (made
     when the tensor is first saved or when the graph returns; each replaces the
     template's Var in its op's outputs, noted in ``BlockRecord.renamed`` for the views
     that still name the template's) and its signature: replay, budgets, the report and
