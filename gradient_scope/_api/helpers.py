@@ -10,8 +10,9 @@ applies again) or the instance attribute the module had.
 
 With ``budget=``, the module given (the model) also gets a forward pre-hook and a
 forward hook (run also when the forward raises) that open and close the budget's model
-region around each of its forwards (M6 in ``_budget.budget``): the budget then bounds
-the model's whole activation memory, the code outside the scopes included.
+region around each of its forwards (M6 [ a model-level budget bounds the model ] in
+``_budget.budget``): the budget then bounds the model's whole activation memory, the code
+outside the scopes included.
 """
 
 from __future__ import annotations
@@ -133,9 +134,9 @@ class _ScopedForward:
 
 
 class _ModelBudget:
-    """The hooks of a model-level budget on the model (M6): each forward of the model is a
-    region of the budget. Inert while dynamo traces (a compiled model's budget applies in
-    its graph)."""
+    """The hooks of a model-level budget on the model
+    (M6 [ a model-level budget bounds the model ]): each forward of the model is a region of the
+    budget. Inert while dynamo traces (a compiled model's budget applies in its graph)."""
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
@@ -333,7 +334,8 @@ def scope_modules(
     for path, module in chosen:
         _install(path, module, options)
     if chosen:
-        if options.get("budget") is not None:  # M6: the budget bounds the whole model
+        # M6 [ a model-level budget bounds the model ]: the budget bounds the whole model
+        if options.get("budget") is not None:
             _attach_budget(model, options["budget"])
         else:
             detach_budget(model)

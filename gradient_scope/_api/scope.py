@@ -84,7 +84,9 @@ def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwar
 
 # The package's root folder: a frame in any of its rooms is the library's, not the user's.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_interception.add_unsafe_file(__file__)  # a scope's entry pushes the pair, then opens its block (I8)
+# a scope's entry pushes the pair, then opens its block
+# (I8 [ the main thread's pair, removed later ])
+_interception.add_unsafe_file(__file__)
 
 
 def _caller_site() -> Site:
@@ -234,7 +236,8 @@ class recompute_scope:
         # frame with the block fell back to eager (a graph break in a compiled
         # scope). Frames called from the open block run eagerly too, so that their
         # ops are recorded as an eager scope's (functions the user wrapped with
-        # torch.compile still compile, R7); so does the library's own code here.
+        # torch.compile still compile, R7 [ compiled code is not recorded ]); so does the
+        # library's own code here.
         self._dynamo_callback = (threading.get_ident(), _torch_compat.suspend_dynamo_compile())
         try:
             self._open()

@@ -69,8 +69,8 @@ _META_ONLY = frozenset(
 # Ops whose results depend on global flags (oneDNN / cuDNN on or off, TF32 and
 # matmul precision, deterministic algorithms, filling uninitialised memory): the
 # recorder re-reads the numeric context before recording one (substrings of the
-# aten name; R9 in ``_record.entry``). Over-inclusion costs a few microseconds per op,
-# never correctness.
+# aten name; R9 [ each op's numeric context ] in ``_record.entry``). Over-inclusion costs a few
+# microseconds per op, never correctness.
 _CONTEXT_OPS = (
     "conv", "mm", "matmul", "linear", "addmv", "mv", "dot", "addr", "einsum", "rnn", "lstm", "gru",
     "attention", "sdp", "index_put", "index_add", "index_copy", "index_reduce", "scatter", "put",

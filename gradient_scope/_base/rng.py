@@ -32,8 +32,8 @@ def _op_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
 def default_generators() -> list[torch.Generator]:
     """The default generators a block's random ops may draw from: the CPU's, and each
     initialised CUDA device's (CUDA is not initialised here). What a steady-state run
-    observes (``_record.template`` T3) and what the recorder captures per op
-    (:func:`_default_generator`) are these."""
+    observes (``_record.template`` T3 [ random states observed at saves ]) and what the recorder
+    captures per op (:func:`_default_generator`) are these."""
     gens = [torch.default_generator]
     if torch.cuda.is_initialized():
         gens.extend(torch.cuda.default_generators)

@@ -1,6 +1,7 @@
 """One scoped block under a budget: the decision its frame carries for each saved
-tensor (M1, M3 in ``_budget.budget``), what it saw (for M4), and what its plan does at
-its close (kept inputs offloaded in place, the record dropped when everything is kept)."""
+tensor (M1 [ a block's plan decides each save ], M3 [ a plan follows its structure ] in
+``_budget.budget``), what it saw (for M4 [ an ended step is planned ]), and what its plan does
+at its close (kept inputs offloaded in place, the record dropped when everything is kept)."""
 
 from __future__ import annotations
 
@@ -36,15 +37,18 @@ class Plan(NamedTuple):
 
 
 def _agrees(plan: Plan, rec: Any, place: Place, var: Var) -> bool:
-    """M3 for one decision: ``plan``'s signature has the decided op and output as recorded."""
+    """M3 [ a plan follows its structure ] for one decision: ``plan``'s signature has the
+    decided op and output as recorded."""
     j, k = place
     return j < len(plan.keys) and output_matches(plan.keys[j], rec.func, len(rec.outs), k, var.size, var.dtype)
 
 
 class BlockPlan:
-    """One block's decision (M1, M3) and what it saw (for M4). Refers to its budget
-    and record weakly: the budget holds it until its step is planned, and a record
-    must die with its last handle (``_restore.handles`` P7)."""
+    """One block's decision (M1 [ a block's plan decides each save ],
+    M3 [ a plan follows its structure ]) and what it saw (for M4 [ an ended step is planned ]).
+    Refers to its budget and record weakly: the budget holds it until its step is planned, and a
+    record must die with its last handle (``_restore.handles``
+    P7 [ the record lives with its handles ])."""
 
     __slots__ = (
         "budget",
@@ -72,8 +76,8 @@ class BlockPlan:
         self.occurrence = occurrence
         self.position = position  # its place among the step's blocks
         self.record = weakref.ref(record)
-        self.state = weakref.ref(state)  # the block's ReplayState: is it needed still (M2)?
-        self.plans = plans  # those still consistent with what was recorded (M3)
+        self.state = weakref.ref(state)  # the block's ReplayState: is it needed still (M2 [ what a step is ])?
+        self.plans = plans  # those still consistent with what was recorded (M3 [ a plan follows its structure ])
         # (op, output) of each saved block tensor -> (its storage group's root (op,
         # output), the storage's bytes)
         self.saved: dict[Place, tuple[Place, int] | None] = {}
@@ -82,18 +86,19 @@ class BlockPlan:
         self.keys: tuple[Hashable, ...] | None = None  # set when closed cleanly
         self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
         self.rng: frozenset[int] = frozenset()  # of them, generator states
-        self.whole = False  # its record was dropped at close (N4 in ``_budget.step``)
+        self.whole = False  # its record was dropped at close (N4 [ a budget above plain autograd ] in ``_budget.step``)
         self.views: set[int] = set()  # storages of outside tensors saved as views (kept by autograd too)
 
     def needed(self) -> bool:
-        """Whether a backward pass is still to use this block (M2)."""
+        """Whether a backward pass is still to use this block (M2 [ what a step is ])."""
         if self.whole:
             return False
         state = self.state()
         return state is not None and bool(state.awaited())
 
     def _check(self, ops: list[Any], place: Place, var: Var) -> None:
-        """Keep the plans whose signature has the decided op and output as recorded (M3)."""
+        """Keep the plans whose signature has the decided op and output as recorded
+        (M3 [ a plan follows its structure ])."""
         self.plans = [p for p in self.plans if _agrees(p, ops[place[0]], place, var)]
 
     def __call__(self, var: Var, t: Tensor) -> Any:
@@ -105,7 +110,8 @@ class BlockPlan:
             if record is not None and not self.plans:
                 where = storage_of(t)
                 if where is not None:
-                    self.views.add(where[0])  # measuring: autograd keeps this input too (N2)
+                    # measuring: autograd keeps this input too (N2 [ a storage with two holders ])
+                    self.views.add(where[0])
             return False
         ops = record.ops
         rec = ops[var.op]
@@ -127,12 +133,14 @@ class BlockPlan:
             return self._offload if place in plan.offloaded else False
         budget = self.budget()
         where = storage_of(t)
-        if budget is not None and where is not None:  # measuring: is it kept anyway (K2)?
+        # measuring: is it kept anyway (K2 [ a candidate is one storage ])?
+        if budget is not None and where is not None:
             budget._storages[where[0]] = (StorageWeakRef(t.untyped_storage()), self, group)
         return False
 
     def _offload(self, entry: Any, t: Tensor) -> Any:
-        """The offload callable (``_save.pack`` S4): the engine's packed tensor, or None."""
+        """The offload callable (``_save.pack`` S4 [ a budget's choice is stored ]): the
+        engine's packed tensor, or None."""
         budget = self.budget()
         engine = budget._engine if budget is not None else None
         if engine is None:
@@ -143,7 +151,8 @@ class BlockPlan:
         return engine.pack(t, (self.site, self.occurrence, place))
 
     def close(self, aborted: bool) -> None:
-        """The block closed: keep the plan that matches it whole, or measure it (M3)."""
+        """The block closed: keep the plan that matches it whole, or measure it
+        (M3 [ a plan follows its structure ])."""
         record = self.record()
         budget = self.budget()
         if record is None or budget is None or aborted:
@@ -163,8 +172,9 @@ class BlockPlan:
         budget.measured(self, record)
 
     def _apply(self, plan: Plan, record: BlockRecord, budget: Run) -> None:
-        """What the plan does when the block closes: note and offload kept inputs (N3),
-        drop the record of a block that keeps everything (N4)."""
+        """What the plan does when the block closes: note and offload kept inputs
+        (N3 [ an input offloaded by its last block ]), drop the record of a block that keeps
+        everything (N4 [ a budget above plain autograd ])."""
         if plan.hold:
             kept = list(kept_inputs(record).items())
             for j in sorted(plan.hold):

@@ -3,45 +3,51 @@ picks, per saved tensor, what to keep, offload or recompute.
 
 RULES M1..M8: how a budget runs.
 
-M1. A scope with a budget gives its block a :class:`~gradient_scope._budget.block.BlockPlan`,
-    the frame's ``store`` decision: the pack hook asks it, for each saved block tensor,
-    whether to keep the tensor (True), offload it (the offload callable) or make a
-    recompute handle. It never changes what is computed, only what is kept and where:
-    gradients are those of the plain program.
-M2. Steps: blocks and model regions entered while an earlier block of the budget may
-    still be needed by backward (it has pending handles or stored tensors, and no
-    backward pass that built no graph has used it yet: ``_restore.handles`` P10), or
-    while a region is open, belong to the same step; one entered when none is needed
-    starts a new step, so a step ends with its backward also where the graph is
-    retained (``backward(retain_graph=True)``). Within a step, a block is named by its site (where its scope was
-    entered) and occurrence (how many blocks of that site came before it in the step),
-    a region by its occurrence.
-M3. A block whose structure (its signature, ``_record.signature``: the key replay
-    shares its plans by) has a plan for its site and occurrence follows it. Each
-    decision checks the op whose output it decides against the plan signature's entry
-    for that op (the op, the output's shape and dtype: all that is known while the
-    block is recorded), and the block's close compares the whole signature; on a
-    mismatch it keeps nothing more and is measured. A block without a plan keeps
-    nothing (the least memory) and is measured. A region offloads only saves whose
-    shape and dtype are the plan's.
-M4. When a step ends (M2) that had a measured block, or a region whose saves differ
-    from its plan's, the step is planned (``_budget.step``, ``_budget.planner``) at the
-    device's measured rates (``_budget.rates``). Plans are cached per site, occurrence
-    and structure, so a new structure (another sequence length) runs unplanned once
-    and its plan is kept next to the others.
-M5. A budget below the floor warns once, naming the floor, and keeps only what costs
-    no bytes (``_budget.planner`` K5).
-M6. A budget given to a model-level helper bounds the model's activation memory after
-    forward: a region (``_budget.region``) is open during each forward of the model,
-    and what the code outside the scopes saves there counts (N1 in ``_budget.step``).
-M7. With ``offload=``, the budget's engine (``_budget.offload``) moves what the plan
-    offloads. On a device it cannot move (the CPU), offload changes nothing and one
-    warning says so.
-M8. The figures a budget shows (floor, planned bytes, predicted times, stored ops,
-    curve) are those of the plan of the structure of the last step that ended: each
-    step structure planned keeps its own, so a step that returns to an earlier
-    structure (an earlier sequence length) shows that structure's again. A step whose
-    blocks all have plans but in a combination not planned yet is planned.
+M1. [ a block's plan decides each save ] A scope with a budget gives its block a
+    :class:`~gradient_scope._budget.block.BlockPlan`, the frame's ``store`` decision:
+    the pack hook asks it, for each saved block tensor, whether to keep the tensor
+    (True), offload it (the offload callable) or make a recompute handle. It never
+    changes what is computed, only what is kept and where: gradients are those of the
+    plain program.
+M2. [ what a step is ] Steps: blocks and model regions entered while an earlier block of
+    the budget may still be needed by backward (it has pending handles or stored
+    tensors, and no backward pass that built no graph has used it yet:
+    ``_restore.handles`` P10 [ a pass without a graph marks use ]), or while a region is
+    open, belong to the same step; one entered when none is needed starts a new step, so
+    a step ends with its backward also where the graph is retained
+    (``backward(retain_graph=True)``). Within a step, a block is named by its site
+    (where its scope was entered) and occurrence (how many blocks of that site came
+    before it in the step), a region by its occurrence.
+M3. [ a plan follows its structure ] A block whose structure (its signature,
+    ``_record.signature``: the key replay shares its plans by) has a plan for its site
+    and occurrence follows it. Each decision checks the op whose output it decides
+    against the plan signature's entry for that op (the op, the output's shape and
+    dtype: all that is known while the block is recorded), and the block's close
+    compares the whole signature; on a mismatch it keeps nothing more and is measured. A
+    block without a plan keeps nothing (the least memory) and is measured. A region
+    offloads only saves whose shape and dtype are the plan's.
+M4. [ an ended step is planned ] When a step ends (M2 [ what a step is ]) that had a
+    measured block, or a region whose saves differ from its plan's, the step is planned
+    (``_budget.step``, ``_budget.planner``) at the device's measured rates
+    (``_budget.rates``). Plans are cached per site, occurrence and structure, so a new
+    structure (another sequence length) runs unplanned once and its plan is kept next to
+    the others.
+M5. [ a budget below the floor warns ] A budget below the floor warns once, naming the
+    floor, and keeps only what costs no bytes (``_budget.planner``
+    K5 [ below the floor only free values ]).
+M6. [ a model-level budget bounds the model ] A budget given to a model-level helper
+    bounds the model's activation memory after forward: a region (``_budget.region``) is
+    open during each forward of the model, and what the code outside the scopes saves
+    there counts (N1 [ the bytes a budget bounds ] in ``_budget.step``).
+M7. [ offload= moves what the plan offloads ] With ``offload=``, the budget's engine
+    (``_budget.offload``) moves what the plan offloads. On a device it cannot move (the
+    CPU), offload changes nothing and one warning says so.
+M8. [ the figures of the last step's plan ] The figures a budget shows (floor, planned
+    bytes, predicted times, stored ops, curve) are those of the plan of the structure of
+    the last step that ended: each step structure planned keeps its own, so a step that
+    returns to an earlier structure (an earlier sequence length) shows that structure's
+    again. A step whose blocks all have plans but in a combination not planned yet is
+    planned.
 """
 
 from __future__ import annotations
@@ -153,7 +159,8 @@ def _offload_limit(value: Any) -> float | None:
 
 
 def _restore_offloaded(t: Tensor) -> bool:
-    """The freed-storage handler of every budget's engine (O5 in ``_budget.offload``)."""
+    """The freed-storage handler of every budget's engine
+    (O5 [ kept inputs are offloaded in place ] in ``_budget.offload``)."""
     return any(restore(e, t) for e in list(engines))
 
 
@@ -364,7 +371,8 @@ class Budget:
         return self._run.open_block(site, record, state)
 
     def _open_region(self, module: torch.nn.Module, inputs: Any) -> Region:
-        """A forward of the model this budget bounds starts (M6)."""
+        """A forward of the model this budget bounds starts
+        (M6 [ a model-level budget bounds the model ])."""
         return self._run.open_region(module, inputs)
 
     def _close_region(self, region: Region, output: Any) -> None:

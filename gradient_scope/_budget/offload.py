@@ -3,34 +3,38 @@ and back before backward needs them.
 
 RULES O1..O7: how offloaded bytes travel.
 
-O1. A storage is offloaded whole, once per step and version: every saved view of it
-    shares the host copy and is rebuilt with its own dtype, shape, strides and offset
-    (a kernel may choose its path by strides: the values autograd gets are bitwise the
-    ones it saved).
-O2. Copies run on side streams, one per direction and device. A copy out waits for an
-    event recorded on the stream that is current when the tensor is packed (queried
-    then, never cached); its source is kept for the side stream with
-    ``record_stream``, so the allocator does not reuse it before the copy has run.
-O3. A copy back runs on the copy-back stream into memory allocated there. The consumer
-    -- whatever stream is current when autograd unpacks, or a replay reads -- waits
-    for the copy's event itself (the wait is issued outside the side stream's context)
-    and marks the memory with ``record_stream``.
-O4. Copies back are prefetched in the order the previous step's backward asked for
-    them (the first step: the reverse of forward order), from the start of backward,
-    as long as the bytes fetched and not yet used stay within ``window``.
-O5. An input a block keeps for replay is offloaded in place: its storage's bytes go to
-    the host and the storage is resized to 0, but only when the block's own aliases
-    are the only holders of the storage (its use count says so). A replay that finds
-    it empty asks the freed-storage handlers; the engine regrows it and copies the
-    prefetched bytes in before the replay reads it.
-O6. Host memory comes from the pool (``_budget.hostpool``) and goes back with the event
-    of the last copy that reads it. A packed tensor that dies -- the graph freed after
-    backward, or dropped by an exception in forward or backward -- first waits for its
-    copies: nothing stays in flight, nothing is held.
-O7. A packed tensor checks at unpack that the tensor it was made from (or its base) was
-    not written since, as autograd does: PyTorch's in-place error otherwise. One made
-    from a tensor autograd would keep itself (a saved input, not a view) whose data was
-    swapped since (``.data = ...``) gives that tensor's new data, as autograd does.
+O1. [ a storage is offloaded whole ] A storage is offloaded whole, once per step and
+    version: every saved view of it shares the host copy and is rebuilt with its own
+    dtype, shape, strides and offset (a kernel may choose its path by strides: the
+    values autograd gets are bitwise the ones it saved).
+O2. [ copies out run on side streams ] Copies run on side streams, one per direction and
+    device. A copy out waits for an event recorded on the stream that is current when
+    the tensor is packed (queried then, never cached); its source is kept for the side
+    stream with ``record_stream``, so the allocator does not reuse it before the copy
+    has run.
+O3. [ copies back and their consumers ] A copy back runs on the copy-back stream into
+    memory allocated there. The consumer -- whatever stream is current when autograd
+    unpacks, or a replay reads -- waits for the copy's event itself (the wait is issued
+    outside the side stream's context) and marks the memory with ``record_stream``.
+O4. [ copies back are prefetched ] Copies back are prefetched in the order the previous
+    step's backward asked for them (the first step: the reverse of forward order), from
+    the start of backward, as long as the bytes fetched and not yet used stay within
+    ``window``.
+O5. [ kept inputs are offloaded in place ] An input a block keeps for replay is
+    offloaded in place: its storage's bytes go to the host and the storage is resized to
+    0, but only when the block's own aliases are the only holders of the storage (its
+    use count says so). A replay that finds it empty asks the freed-storage handlers;
+    the engine regrows it and copies the prefetched bytes in before the replay reads it.
+O6. [ host memory comes from the pool ] Host memory comes from the pool
+    (``_budget.hostpool``) and goes back with the event of the last copy that reads it.
+    A packed tensor that dies -- the graph freed after backward, or dropped by an
+    exception in forward or backward -- first waits for its copies: nothing stays in
+    flight, nothing is held.
+O7. [ unpack checks versions ] A packed tensor checks at unpack that the tensor it was
+    made from (or its base) was not written since, as autograd does: PyTorch's in-place
+    error otherwise. One made from a tensor autograd would keep itself (a saved input,
+    not a view) whose data was swapped since (``.data = ...``) gives that tensor's new
+    data, as autograd does.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
 
 
 class HostCopy:
-    """The bytes of one storage on the host (O1), and their way back (O3)."""
+    """The bytes of one storage on the host (O1 [ a storage is offloaded whole ]), and their way
+    back (O3 [ copies back and their consumers ])."""
 
     __slots__ = (
         "engine",
@@ -107,10 +112,12 @@ class HostCopy:
         self.value: Tensor | None = None  # the bytes back on the device, until served
         self.users = 0  # live packed tensors of it
         self.served = 0  # of them, served from ``value``
-        self.storage: torch.UntypedStorage | None = None  # O5: the storage emptied in place
+        # O5 [ kept inputs are offloaded in place ]: the storage emptied in place
+        self.storage: torch.UntypedStorage | None = None
 
     def fetch(self) -> Tensor:
-        """The bytes on the device, for the consumer stream current now (O3, O4)."""
+        """The bytes on the device, for the consumer stream current now
+        (O3 [ copies back and their consumers ], O4 [ copies back are prefetched ])."""
         engine = self.engine
         with engine.lock:
             engine.consume(self)
@@ -127,7 +134,8 @@ class HostCopy:
         return value
 
     def __del__(self) -> None:
-        # O6: wait for the copies that read or write the host block, then give it back.
+        # O6 [ host memory comes from the pool ]: wait for the copies that read or write the
+        # host block, then give it back.
         backend = getattr(self, "backend", None)
         if backend is None:
             return
@@ -143,8 +151,8 @@ class HostCopy:
 
 
 def _to_consumer(hc: HostCopy, value: Tensor, event: Any) -> None:
-    """O3: the stream current now (the consumer's) waits for ``hc``'s copy back,
-    ``value``, done at ``event``, and marks its memory as used there."""
+    """O3 [ copies back and their consumers ]: the stream current now (the consumer's) waits for
+    ``hc``'s copy back, ``value``, done at ``event``, and marks its memory as used there."""
     backend = hc.backend
     consumer = backend.current_stream(hc.device)
     backend.wait_event(consumer, event)
@@ -152,7 +160,8 @@ def _to_consumer(hc: HostCopy, value: Tensor, event: Any) -> None:
 
 
 class Offloaded:
-    """What a saved tensor becomes when it is offloaded: its host copy and its view (O1)."""
+    """What a saved tensor becomes when it is offloaded: its host copy and its view
+    (O1 [ a storage is offloaded whole ])."""
 
     __slots__ = ("copy", "dtype", "size", "stride", "offset", "version", "sources", "storage", "__weakref__")
 
@@ -163,17 +172,19 @@ class Offloaded:
         self.version = t._version
         base = t._base
         self.sources = (weakref.ref(t),) if base is None else (weakref.ref(t), weakref.ref(base))
-        # O7: where autograd would keep ``t`` itself (a saved input), its storage then.
+        # O7 [ unpack checks versions ]: where autograd would keep ``t`` itself (a saved input),
+        # its storage then.
         self.storage = t.untyped_storage()._cdata if base is None and not may_be_new_output(t) else None
 
     def unpack(self) -> Tensor:
-        for ref in self.sources:  # O7
+        for ref in self.sources:  # O7 [ unpack checks versions ]
             src = ref()
             if src is not None and src._version != self.version:
                 raise inplace_error(f"{src.type()} {list(src.shape)}", self.version, src._version)
         src = self.sources[0]()
         if self.storage is not None and src is not None and src.untyped_storage()._cdata != self.storage:
-            with without_python_dispatch():  # O7: autograd's saved input sees the swap (`.data = ...`)
+            # O7 [ unpack checks versions ]: autograd's saved input sees the swap (`.data = ...`)
+            with without_python_dispatch():
                 return src.detach()
         value = self.copy.fetch()
         with _Quiet():
@@ -190,7 +201,7 @@ class Offloaded:
 
 class Offloader:
     """One budget's offload engine: its pools, side streams, this step's copies, and
-    the order the last step's backward used them in (O4).
+    the order the last step's backward used them in (O4 [ copies back are prefetched ]).
 
     ``host_limit``: bytes of pinned memory at most (None: as needed). ``window``: bytes
     fetched ahead of need at most (None: twice the largest copy of the step).
@@ -203,10 +214,10 @@ class Offloader:
         self.pools: dict[int, HostPool] = {}
         self.streams: dict[tuple[int, torch.device], tuple[Any, Any]] = {}
         self.copies: dict[tuple[int, int], tuple[StorageWeakRef, weakref.ref[HostCopy]]] = {}
-        self.evicted: dict[int, HostCopy] = {}  # O5: storage id -> its copy
+        self.evicted: dict[int, HostCopy] = {}  # O5 [ kept inputs are offloaded in place ]: storage id -> its copy
         self.step: list[weakref.ref[HostCopy]] = []  # this step's copies, in forward order
         self.largest = 0
-        self.order: dict[Hashable, int] = {}  # the last step's backward order (O4)
+        self.order: dict[Hashable, int] = {}  # the last step's backward order (O4 [ copies back are prefetched ])
         self.used: list[Hashable] = []  # this step's, so far
         self.plan: list[weakref.ref[HostCopy]] = []
         self.started = False
@@ -265,7 +276,8 @@ class Offloader:
             self.copies = {k: v for k, v in self.copies.items() if v[1]() is not None}
 
     def start_backward(self) -> None:
-        """Backward of this step begins: prefetch the first copies (O4)."""
+        """Backward of this step begins: prefetch the first copies
+        (O4 [ copies back are prefetched ])."""
         with self.lock:
             if not self.started:
                 self.started = True
@@ -305,7 +317,8 @@ class Offloader:
             if block is None:
                 return None  # no host room: the tensor stays on the device
             src = _bytes_of(storage, device)
-            ready = backend.record_event(backend.current_stream(device))  # O2: queried now
+            # O2 [ copies out run on side streams ]: queried now
+            ready = backend.record_event(backend.current_stream(device))
             with backend.use_stream(out):
                 backend.wait_event(out, ready)
                 backend.copy(block.tensor, src)
@@ -317,7 +330,8 @@ class Offloader:
         return hc
 
     def copy_back(self, hc: HostCopy) -> None:
-        """Start ``hc``'s copy back on the copy-back stream (call under ``lock``; O3)."""
+        """Start ``hc``'s copy back on the copy-back stream (call under ``lock``;
+        O3 [ copies back and their consumers ])."""
         backend = hc.backend
         _, back = self.streams_of(backend, hc.device)
         with _Quiet(), backend.use_stream(back):
@@ -348,12 +362,14 @@ class Offloader:
             return Offloaded(hc, t)
 
 
-# ---------------------------------------------------------------- inputs kept for replay, in place (O5)
+# ---------------------------------------------------------------- inputs kept for replay, in
+# place (O5 [ kept inputs are offloaded in place ])
 
 
 def evict(engine: Offloader, aliases: list[Tensor], key: Hashable) -> bool:
-    """O5: offload the storage of ``aliases`` (tensors of one storage, our only holders
-    of it) in place; False where it cannot be (others hold it, no room)."""
+    """O5 [ kept inputs are offloaded in place ]: offload the storage of ``aliases`` (tensors of
+    one storage, our only holders of it) in place; False where it cannot be (others hold it, no
+    room)."""
     t = aliases[0]
     if type(t) is not Tensor or t.layout != torch.strided or backend_for(t) is None:
         return False
@@ -388,8 +404,8 @@ def evict(engine: Offloader, aliases: list[Tensor], key: Hashable) -> bool:
 
 
 def restore(engine: Offloader, t: Tensor) -> bool:
-    """O5, the freed-storage handler: regrow ``t``'s storage if this engine emptied it,
-    with its bytes. True if it did."""
+    """O5 [ kept inputs are offloaded in place ], the freed-storage handler: regrow ``t``'s
+    storage if this engine emptied it, with its bytes. True if it did."""
     try:
         sid = storage_id(t)
     except (RuntimeError, NotImplementedError):

@@ -9,37 +9,42 @@ replay, what code outside the scopes saves), which only offloading can move.
 
 RULES K1..K8: what a budget's plan keeps, offloads and recomputes.
 
-K1. The recompute cost of a block under a set of stored values is the summed cost of
-    the ops in the union of the replay closures of its saved values that are not
-    stored: a replay runs each op at most once per backward pass (``_restore.handles`` P4),
-    and a stored value whose storage group is never written (``cuttable``) ends the
-    closure of everything that reads it (closure-aware). Costs are seconds
-    (``_budget.measure``): FLOPs and bytes moved at the device's rates.
-K2. A candidate is one storage of a block: storing it keeps every saved value of
-    that block living in it. Its bytes count once; a storage that is in memory anyway
-    after forward (an outside tensor another block of the step keeps for replay)
-    costs 0 bytes.
-K3. The plan is a chain: starting from nothing stored, repeatedly add the candidate
-    that spares the most recompute per byte (free candidates first), recomputing the
-    gains of the block that changed (K1 is not additive: storing a value changes what
-    its neighbours spare). When no candidate spares anything, the smallest is added,
-    so the chain ends with everything stored (nothing recomputed).
-K4. A budget takes the longest prefix of the chain that fits. Prefixes are nested
-    sets, so the predicted recompute never grows with the budget and the stored set
-    of a smaller budget is a subset of a larger one's.
-K5. A budget below the floor (the bytes kept when nothing is stored) is met as
-    closely as possible: only what costs no bytes is stored.
-K6. With a host budget, any floor item or chain candidate a prefix keeps may be
-    offloaded instead: it leaves the device after forward and comes back before
-    backward needs it. Offloaded bytes cost the transfer time that compute cannot hide:
-    copies out overlap the forward, copies back the backward (:meth:`Transfer.exposed`).
-K7. :func:`decide` takes, for every prefix of the chain, the bytes over the budget as
-    offloaded (when the offloadable bytes and the host room suffice) and picks the prefix
-    of least predicted time (recompute + exposed transfer); ties go to fewer offloaded
-    bytes, then the longer prefix. Without a host budget it is K4's prefix. The offloaded
-    items are the earliest in forward order (their copies back have the most time).
-K8. Predicted time never grows with the budget: a larger budget has every choice a
-    smaller one has, and more.
+K1. [ the recompute cost of a block ] The recompute cost of a block under a set of
+    stored values is the summed cost of the ops in the union of the replay closures of
+    its saved values that are not stored: a replay runs each op at most once per
+    backward pass (``_restore.handles`` P4 [ each op at most once per pass ]), and a
+    stored value whose storage group is never written (``cuttable``) ends the closure of
+    everything that reads it (closure-aware). Costs are seconds (``_budget.measure``):
+    FLOPs and bytes moved at the device's rates.
+K2. [ a candidate is one storage ] A candidate is one storage of a block: storing it
+    keeps every saved value of that block living in it. Its bytes count once; a storage
+    that is in memory anyway after forward (an outside tensor another block of the step
+    keeps for replay) costs 0 bytes.
+K3. [ the plan is a chain ] The plan is a chain: starting from nothing stored,
+    repeatedly add the candidate that spares the most recompute per byte (free
+    candidates first), recomputing the gains of the block that changed
+    (K1 [ the recompute cost of a block ] is not additive: storing a value changes what
+    its neighbours spare). When no candidate spares anything, the smallest is added, so
+    the chain ends with everything stored (nothing recomputed).
+K4. [ the longest prefix that fits ] A budget takes the longest prefix of the chain that
+    fits. Prefixes are nested sets, so the predicted recompute never grows with the
+    budget and the stored set of a smaller budget is a subset of a larger one's.
+K5. [ below the floor only free values ] A budget below the floor (the bytes kept when
+    nothing is stored) is met as closely as possible: only what costs no bytes is
+    stored.
+K6. [ kept values may be offloaded ] With a host budget, any floor item or chain
+    candidate a prefix keeps may be offloaded instead: it leaves the device after
+    forward and comes back before backward needs it. Offloaded bytes cost the transfer
+    time that compute cannot hide: copies out overlap the forward, copies back the
+    backward (:meth:`Transfer.exposed`).
+K7. [ the prefix of least predicted time ] :func:`decide` takes, for every prefix of the
+    chain, the bytes over the budget as offloaded (when the offloadable bytes and the
+    host room suffice) and picks the prefix of least predicted time (recompute + exposed
+    transfer); ties go to fewer offloaded bytes, then the longer prefix. Without a host
+    budget it is the prefix of K4 [ the longest prefix that fits ]. The offloaded items
+    are the earliest in forward order (their copies back have the most time).
+K8. [ time never grows with the budget ] Predicted time never grows with the budget: a
+    larger budget has every choice a smaller one has, and more.
 """
 
 from __future__ import annotations
@@ -90,7 +95,8 @@ class BlockGraph:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A storage of block ``block`` that may be stored: ``values`` live in it (K2)."""
+    """A storage of block ``block`` that may be stored: ``values`` live in it
+    (K2 [ a candidate is one storage ])."""
 
     block: int
     values: tuple[int, ...]
@@ -98,7 +104,8 @@ class Candidate:
 
 
 def recompute_cost(g: BlockGraph, stored: frozenset[int] | set[int]) -> float:
-    """K1: the cost of replaying what backward asks of ``g`` when ``stored`` are kept.
+    """K1 [ the recompute cost of a block ]: the cost of replaying what backward asks of ``g``
+    when ``stored`` are kept.
 
     Example::
 
@@ -133,8 +140,8 @@ def recompute_cost(g: BlockGraph, stored: frozenset[int] | set[int]) -> float:
 
 @dataclass(frozen=True)
 class Chain:
-    """K3's chain. ``order[k]`` is the candidate added at step ``k``; after it, the
-    stored candidates cost ``nbytes[k + 1]`` bytes and leave ``cost[k + 1]`` to
+    """The chain of K3 [ the plan is a chain ]. ``order[k]`` is the candidate added at step
+    ``k``; after it, the stored candidates cost ``nbytes[k + 1]`` bytes and leave ``cost[k + 1]`` to
     recompute (``nbytes[0] == 0`` and ``cost[0]``: nothing stored)."""
 
     order: tuple[int, ...]
@@ -142,7 +149,8 @@ class Chain:
     cost: tuple[float, ...]
 
     def prefix(self, room: int) -> int:
-        """K4: the length of the longest prefix whose bytes fit in ``room``.
+        """K4 [ the longest prefix that fits ]: the length of the longest prefix whose bytes fit
+        in ``room``.
 
         Example::
 
@@ -159,7 +167,7 @@ class Chain:
 
 
 def build_chain(blocks: Sequence[BlockGraph], candidates: Sequence[Candidate]) -> Chain:
-    """K3: the greedy chain over ``candidates`` of ``blocks``.
+    """K3 [ the plan is a chain ]: the greedy chain over ``candidates`` of ``blocks``.
 
     Example (storing the matmul output, candidate 1, spares 100 per byte; the
     elementwise output spares 1 per byte)::
@@ -185,7 +193,7 @@ def build_chain(blocks: Sequence[BlockGraph], candidates: Sequence[Candidate]) -
     nbytes, total = [0], [sum(cost)]
     while gains:
         best = max(gains, key=lambda c: (_ratio(gains[c], candidates[c].nbytes), gains[c], -c))
-        if gains[best] <= 0:  # nothing spares anything now: the smallest goes next (K3)
+        if gains[best] <= 0:  # nothing spares anything now: the smallest goes next (K3 [ the plan is a chain ])
             best = min(gains, key=lambda c: (candidates[c].nbytes, c))
         cand = candidates[best]
         del gains[best]
@@ -207,8 +215,8 @@ def _ratio(gain: float, nbytes: int) -> float:
 
 
 def choose(chain: Chain, floor: int, budget: int) -> tuple[int, bool]:
-    """K4, K5: ``(prefix length, below floor)`` for ``budget`` bytes, ``floor`` of
-    which are kept whatever is stored.
+    """K4 [ the longest prefix that fits ], K5 [ below the floor only free values ]: ``(prefix
+    length, below floor)`` for ``budget`` bytes, ``floor`` of which are kept whatever is stored.
 
     Example::
 
@@ -222,8 +230,8 @@ def choose(chain: Chain, floor: int, budget: int) -> tuple[int, bool]:
 
 @dataclass(frozen=True)
 class Item:
-    """A storage on the device that may be offloaded (K6): its bytes, its place in
-    forward order, and whether it can be (a storage the engine can copy)."""
+    """A storage on the device that may be offloaded (K6 [ kept values may be offloaded ]): its
+    bytes, its place in forward order, and whether it can be (a storage the engine can copy)."""
 
     nbytes: int
     position: int
@@ -232,8 +240,8 @@ class Item:
 
 @dataclass(frozen=True)
 class Transfer:
-    """The offload side of a plan (K6): copy rates (bytes/s), the compute (seconds) that
-    the copies out and back overlap, and the host bytes available."""
+    """The offload side of a plan (K6 [ kept values may be offloaded ]): copy rates (bytes/s),
+    the compute (seconds) that the copies out and back overlap, and the host bytes available."""
 
     to_host: float
     to_device: float
@@ -254,10 +262,10 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a budget does (K7): the chain prefix ``kept`` is not recomputed; of it and of
-    the floor, ``offloaded_candidates`` and ``offloaded_floor`` (indices) are offloaded.
-    ``device`` and ``host`` bytes after forward; predicted seconds of ``recompute`` and
-    of exposed ``transfer``; ``below``: the budget could not be met."""
+    """What a budget does (K7 [ the prefix of least predicted time ]): the chain prefix ``kept``
+    is not recomputed; of it and of the floor, ``offloaded_candidates`` and ``offloaded_floor``
+    (indices) are offloaded. ``device`` and ``host`` bytes after forward; predicted seconds of
+    ``recompute`` and of exposed ``transfer``; ``below``: the budget could not be met."""
 
     kept: int
     offloaded_candidates: frozenset[int]
@@ -272,7 +280,8 @@ class Decision:
 def decide(
     chain: Chain, candidates: Sequence[Item], floor: Sequence[Item], budget: int, transfer: Transfer | None
 ) -> Decision:
-    """K6, K7: keep, offload and recompute for ``budget`` device bytes.
+    """K6 [ kept values may be offloaded ], K7 [ the prefix of least predicted time ]: keep,
+    offload and recompute for ``budget`` device bytes.
 
     ``candidates[c]`` is chain candidate ``c`` as an item (its bytes, position, whether
     it can be offloaded); ``floor`` the items nothing recomputes.
@@ -282,8 +291,8 @@ def decide(
 
         >>> chain = Chain(order=(0, 1), nbytes=(0, 50, 100), cost=(2.0, 1.0, 0.0))
         >>> cands, floor = [Item(50, 1), Item(50, 2)], [Item(100, 0)]
-        >>> decide(chain, cands, floor, 150, None).kept                 # K4: one fits
-        1
+        >>> decide(chain, cands, floor, 150, None).kept                 #
+        K4 [ the longest prefix that fits ]: one fits 1
         >>> d = decide(chain, cands, floor, 150, Transfer(1e3, 1e3, 0.1, 0.1, 1e9))
         >>> d.kept, sorted(d.offloaded_floor), d.device, d.recompute  # offload the floor
         (2, [0], 100, 0.0)
@@ -315,7 +324,7 @@ def decide(
         if best is None or key < best[0]:
             best = (key, -neg_k, picked)
     below = best is None
-    if best is None:  # K5: as close as possible
+    if best is None:  # K5 [ below the floor only free values ]: as close as possible
         k = chain.prefix(0)
         want = int(min(host, room[k])) if transfer is not None else 0
         picked = _pick(chain, candidates, floor, k, want, host)
@@ -330,8 +339,8 @@ def decide(
 def _pick(
     chain: Chain, candidates: Sequence[Item], floor: Sequence[Item], k: int, want: int, host: float
 ) -> tuple[frozenset[int], frozenset[int], int]:
-    """K7: the earliest offloadable items in forward order, until ``want`` bytes (within
-    ``host``)."""
+    """K7 [ the prefix of least predicted time ]: the earliest offloadable items in forward
+    order, until ``want`` bytes (within ``host``)."""
     if want <= 0:
         return frozenset(), frozenset(), 0
     pool = [(item.position, 0, i, item.nbytes) for i, item in enumerate(floor) if item.offloadable and item.nbytes]

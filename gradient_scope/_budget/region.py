@@ -1,11 +1,13 @@
 """One forward of a model under a model-level budget: the observer of what the code
-outside the scopes saves (``_save.pack`` S5), and its offloads.
+outside the scopes saves (``_save.pack`` S6 [ a region's saves go to its observer ]), and its
+offloads.
 
 A region is opened by a forward pre-hook of the module the budget was given with
 (``apply_recompute(model, budget=)``), and closed by a forward hook that runs also when
 the forward raises. It counts each tensor saved in it that is not a block tensor, a
 parameter, a buffer, an input of the forward or older than the forward, once per
-storage (N1 in ``_budget.step``); a save its plan offloads goes to the budget's engine.
+storage (N1 [ the bytes a budget bounds ] in ``_budget.step``); a save its plan offloads goes to
+the budget's engine.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def _storages(values: Any) -> set[int]:
 
 
 class Region:
-    """The observer of one forward (S5): it counts, and offloads what its plan says."""
+    """The observer of one forward (S6 [ a region's saves go to its observer ]): it counts, and
+    offloads what its plan says."""
 
     __slots__ = ("budget", "occurrence", "seq0", "exclude", "saves", "keys", "plan", "params", "__weakref__")
 
@@ -79,7 +82,8 @@ class Region:
         self.params: dict[int, tuple[int, int]] = {}  # parameters saved here: storage -> (position, bytes)
 
     def __call__(self, t: Tensor, may_take: bool) -> Any:
-        """``t`` is saved outside the scopes (S5): count it; its offload, or None."""
+        """``t`` is saved outside the scopes (S6 [ a region's saves go to its observer ]): count
+        it; its offload, or None."""
         if type(t) is not Tensor:
             return None
         base = t._base if t._base is not None else t
@@ -88,7 +92,8 @@ class Region:
             where = storage_of(base)
             outside = _recorder.innermost() is None  # a block's own are counted with it
             if budget is not None and where is not None and outside and where[0] not in self.params:
-                self.params[where[0]] = (budget.position(), where[1])  # its gradient comes (N5)
+                # its gradient comes (N5 [ predicted seconds and peak ])
+                self.params[where[0]] = (budget.position(), where[1])
             return None  # a parameter, or another leaf: alive anyway
         g = t.grad_fn
         if g is not None and node_sequence_nr(g) < self.seq0:
@@ -108,7 +113,7 @@ class Region:
         if not may_take or plan is None or n not in plan.offloaded or budget._engine is None:
             return None
         if n >= len(plan.keys) or plan.keys[n] != key:
-            return None  # another structure: kept (M3)
+            return None  # another structure: kept (M3 [ a plan follows its structure ])
         return budget._engine.pack(t, ("region", self.occurrence, n))
 
     def matches(self) -> bool:

@@ -24,7 +24,9 @@ from .region import Region, RegionPlan, tensors_in
 from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
 from .streams import offloadable
 
-_interception.add_unsafe_file(__file__)  # a region's entry pushes the pair, then opens the region (I8)
+# a region's entry pushes the pair, then opens the region
+# (I8 [ the main thread's pair, removed later ])
+_interception.add_unsafe_file(__file__)
 
 __all__ = ["Run"]
 
@@ -63,15 +65,17 @@ class Run:
         self._storages: dict[int, tuple[StorageWeakRef, BlockPlan, Place]] = {}
         self.occurrences: dict[Hashable, int] = {}
         self.saves_seen = 0
-        self.pending: dict[int, tuple[list[Tensor], Hashable]] = {}  # kept inputs to offload (N3)
+        # kept inputs to offload (N3 [ an input offloaded by its last block ])
+        self.pending: dict[int, tuple[list[Tensor], Hashable]] = {}
         self.to_evict: list[int] = []
         self.warned: set[str] = set()
         # (site, occurrence, structure) -> (free groups, inputs, rng) last measured
         self.seen: dict[tuple[Hashable, int, Any], _Seen] = {}
-        self.result: StepPlan | None = None  # the plan of the last step's structure (M8)
+        # the plan of the last step's structure (M8 [ the figures of the last step's plan ])
+        self.result: StepPlan | None = None
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
 
-    # -- steps (M2)
+    # -- steps (M2 [ what a step is ])
 
     def settle(self) -> None:
         if (self.step or self.regions) and not self.open_regions and not any(bp.needed() for bp in self.step):
@@ -93,7 +97,8 @@ class Run:
         return bp
 
     def open_region(self, module: torch.nn.Module, inputs: Any) -> Region:
-        """A forward of the model starts (M6): our pair goes on top, the region observes."""
+        """A forward of the model starts (M6 [ a model-level budget bounds the model ]): our
+        pair goes on top, the region observes."""
         self._starting()
         occurrence = len(self.regions)
         region = Region(self, occurrence, module, inputs, self.region_plans.get(occurrence))
@@ -131,11 +136,12 @@ class Run:
         return bool(self.open_regions)
 
     def position(self) -> int:
-        """Where a save outside the scopes falls among the step's blocks (N5 order)."""
+        """Where a save outside the scopes falls among the step's blocks
+        (N5 [ predicted seconds and peak ] order)."""
         self.saves_seen += 1
         return 2 * len(self.step) * _SPAN + self.saves_seen
 
-    # -- kept inputs offloaded in place (N3)
+    # -- kept inputs offloaded in place (N3 [ an input offloaded by its last block ])
 
     def hold(self, ptr: int, aliases: list[Tensor], key: Hashable, evict: bool) -> None:
         known = self.pending.get(ptr)
@@ -159,11 +165,12 @@ class Run:
         if not self.open_regions and not left:
             self.pending = {}
 
-    # -- measuring (M3, M4)
+    # -- measuring (M3 [ a plan follows its structure ], M4 [ an ended step is planned ])
 
     def kept_for_replay(self, bp: BlockPlan) -> None:
         """``bp`` closed keeping ``bp.inputs`` for replay: saved storages of earlier
-        blocks among them are in memory anyway (storing them is free, K2)."""
+        blocks among them are in memory anyway (storing them is free,
+        K2 [ a candidate is one storage ])."""
         for ptr in bp.inputs:
             seen = self._storages.get(ptr)
             if seen is not None and seen[1] is not bp and not seen[0].expired():
@@ -189,7 +196,7 @@ class Run:
                      tuple((r.occurrence, tuple(r.keys)) for r in regions))  # fmt: skip
         known = self.results.get(structure)
         if known is not None and all(bp.known for bp in blocks) and all(r.matches() for r in regions):
-            self.result = known  # M8
+            self.result = known  # M8 [ the figures of the last step's plan ]
             return
         for bp in blocks:
             key = (bp.site, bp.occurrence, bp.keys)
@@ -214,7 +221,7 @@ class Run:
 
 
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
-    """M4: plan every block and region of a finished step."""
+    """M4 [ an ended step is planned ]: plan every block and region of a finished step."""
     seen = []
     for bp in blocks:
         g, m = self.graphs[(bp.site, bp.keys)]

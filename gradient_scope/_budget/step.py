@@ -4,28 +4,30 @@ predicted figures (for ``_budget.budget``; the choice itself is ``_budget.planne
 
 RULES N1..N5: what a step's plan covers.
 
-N1. The bytes a budget bounds: the block tensors kept, each storage once; the outside
-    tensors the blocks keep for replay and the generator states of their random ops
-    (on the device's memory only); and, for a model-level budget, what the code
-    outside the scopes saves during the model's forward (not the model's inputs,
-    parameters or buffers). The last two are the floor: only offloading moves them.
-N2. A storage kept both for a replay and by a save outside the scopes (or a saved
-    view of it in the block) has two holders: offloading one would free nothing, so it
-    is not offloaded, and plain autograd keeps it too.
-N3. A kept input offloaded in place is offloaded by the last block of the step that
-    keeps it, once every block's aliases of it are known; a block's tensor living in it
-    is then not kept by its own block (a replay reads it back from the input).
-N4. At a model-level budget of at least what plain autograd keeps (every block tensor
-    and every save outside the scopes), every block keeps everything. Under a model-level
-    budget a block that keeps all it saved drops its record at its close (it will never
-    replay): what only its record held is not held, and memory at such a budget is
-    plain's.
-N5. Predicted step seconds: the blocks' forward and backward (three times their ops'
-    seconds), the recompute, and the copies compute does not hide. The predicted peak:
-    at each block's backward (backward goes from the last block to the first), the
-    bytes kept for it and for the blocks before it, the gradients of the parameters of
-    it and of the code after it, its values rebuilt at once by its replay, and the
-    gradients flowing through it (twice its output); the
+N1. [ the bytes a budget bounds ] The bytes a budget bounds: the block tensors kept,
+    each storage once; the outside tensors the blocks keep for replay and the generator
+    states of their random ops (on the device's memory only); and, for a model-level
+    budget, what the code outside the scopes saves during the model's forward (not the
+    model's inputs, parameters or buffers). The last two are the floor: only offloading
+    moves them.
+N2. [ a storage with two holders ] A storage kept both for a replay and by a save
+    outside the scopes (or a saved view of it in the block) has two holders: offloading
+    one would free nothing, so it is not offloaded, and plain autograd keeps it too.
+N3. [ an input offloaded by its last block ] A kept input offloaded in place is
+    offloaded by the last block of the step that keeps it, once every block's aliases of
+    it are known; a block's tensor living in it is then not kept by its own block (a
+    replay reads it back from the input).
+N4. [ a budget above plain autograd ] At a model-level budget of at least what plain
+    autograd keeps (every block tensor and every save outside the scopes), every block
+    keeps everything. Under a model-level budget a block that keeps all it saved drops
+    its record at its close (it will never replay): what only its record held is not
+    held, and memory at such a budget is plain's.
+N5. [ predicted seconds and peak ] Predicted step seconds: the blocks' forward and
+    backward (three times their ops' seconds), the recompute, and the copies compute
+    does not hide. The predicted peak: at each block's backward (backward goes from the
+    last block to the first), the bytes kept for it and for the blocks before it, the
+    gradients of the parameters of it and of the code after it, its values rebuilt at
+    once by its replay, and the gradients flowing through it (twice its output); the
     largest of these, plus the bytes prefetched ahead (twice the largest offloaded
     storage).
 """
@@ -56,12 +58,13 @@ class BlockSeen:
     free: dict[tuple[int, int], int]  # groups another block keeps for replay -> that storage
     inputs: dict[int, int]  # storages kept for replay (address -> bytes), in the record's order
     rng: frozenset[int]  # of them, generator states (host memory, never offloaded)
-    views: set[int] = field(default_factory=set)  # of them, saved as views by autograd too (N2)
+    # of them, saved as views by autograd too (N2 [ a storage with two holders ])
+    views: set[int] = field(default_factory=set)
 
 
 @dataclass
 class SaveSeen:
-    """A tensor the code outside the scopes saved (N1)."""
+    """A tensor the code outside the scopes saved (N1 [ the bytes a budget bounds ])."""
 
     ptr: int
     nbytes: int
@@ -77,14 +80,16 @@ class BlockChoice:
 
     chosen: frozenset[tuple[int, int]]
     offloaded: frozenset[tuple[int, int]]
-    hold: frozenset[int]  # ordinals of kept inputs offloaded in place (N3): note their aliases
+    # ordinals of kept inputs offloaded in place (N3 [ an input offloaded by its last block ]): note
+    # their aliases
+    hold: frozenset[int]
     evict: frozenset[int]  # of them, those this block offloads (the last holder)
-    whole: bool  # N4
+    whole: bool  # N4 [ a budget above plain autograd ]
 
 
 @dataclass
 class StepPlan:
-    """A step's plan and its predicted figures (N5)."""
+    """A step's plan and its predicted figures (N5 [ predicted seconds and peak ])."""
 
     blocks: list[BlockChoice]
     regions: dict[int, frozenset[int]]  # per region occurrence, the ordinals of the saves offloaded
@@ -143,7 +148,8 @@ def _collect(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], 
                 continue
             if ptr in where:
                 i = where[ptr]
-                if it.floor_kind[i][0] == -1 and it.floor[i].offloadable:  # N2: two holders
+                # N2 [ a storage with two holders ]: two holders
+                if it.floor_kind[i][0] == -1 and it.floor[i].offloadable:
                     it.floor[i] = Item(it.floor[i].nbytes, it.floor[i].position, False)
                 continue
             where[ptr] = len(it.floor)
@@ -170,7 +176,7 @@ def _choices(blocks: list[BlockSeen], it: _Items, d: Decision, extra: frozenset[
             continue
         group = next((bs.saved[p][0] for p in places if bs.saved.get(p) is not None), None)  # type: ignore[index]
         if not whole and cand.nbytes == 0 and bs.free.get(group, -1) in evicted:  # type: ignore[arg-type]
-            continue  # N3: read back from the input offloaded in place
+            continue  # N3 [ an input offloaded by its last block ]: read back from the input offloaded in place
         chosen[cand.block] |= places
     last: dict[int, int] = {}
     for b, bs in enumerate(blocks):
@@ -188,8 +194,8 @@ def _choices(blocks: list[BlockSeen], it: _Items, d: Decision, extra: frozenset[
 
 
 def _released(blocks: list[BlockSeen], it: _Items, choices: list[BlockChoice], d: Decision) -> int:
-    """N4: what the records of the blocks that keep everything held for replay, and no one
-    holds once those records are dropped."""
+    """N4 [ a budget above plain autograd ]: what the records of the blocks that keep everything
+    held for replay, and no one holds once those records are dropped."""
     holders: dict[int, list[int]] = {}
     for b, bs in enumerate(blocks):
         for ptr in bs.inputs:
@@ -211,7 +217,8 @@ def _groups(bs: BlockSeen, places: frozenset[tuple[int, int]]) -> set[tuple[int,
 
 def _peak(blocks: list[BlockSeen], choices: list[BlockChoice], it: _Items, d: Decision,
           params: list[tuple[int, int]]) -> int:  # fmt: skip
-    """N5: the activation bytes and gradients at each block's backward, at most."""
+    """N5 [ predicted seconds and peak ]: the activation bytes and gradients at each block's
+    backward, at most."""
     held: list[tuple[int, int]] = [(i.position, i.nbytes) for f, i in enumerate(it.floor) if f not in d.offloaded_floor]
     for c, cand in enumerate(it.cands):
         ch = choices[cand.block]
@@ -254,8 +261,9 @@ _Eval = tuple[Decision, frozenset[int]]  # a decision and the candidates it keep
 
 
 def _at(chain: Chain, it: _Items, budget: int, transfer: Transfer | None) -> _Eval:
-    """K7's decision at ``budget``, and the candidates it keeps (on the device or offloaded):
-    a prefix of the chain, so a larger budget keeps a superset."""
+    """The decision of K7 [ the prefix of least predicted time ] at ``budget``, and the
+    candidates it keeps (on the device or offloaded): a prefix of the chain, so a larger budget
+    keeps a superset."""
     d = decide(chain, it.cand_items, it.floor, budget, transfer)
     return d, frozenset(chain.order[: d.kept])
 
@@ -263,8 +271,8 @@ def _at(chain: Chain, it: _Items, budget: int, transfer: Transfer | None) -> _Ev
 def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], budget: int,
               host: float | None, rates: Rates, model_level: bool,
               params: list[tuple[int, int]] | None = None) -> StepPlan:  # fmt: skip
-    """M4: plan a finished step (see the module docstring). ``host``: bytes the budget may
-    offload (None: no offload)."""
+    """M4 [ an ended step is planned ]: plan a finished step (see the module docstring).
+    ``host``: bytes the budget may offload (None: no offload)."""
     it = _collect(blocks, saves, exclude, host is not None)
     chain = build_chain([bs.graph for bs in blocks], it.cands)
     forward = sum(sum(bs.graph.costs) for bs in blocks)

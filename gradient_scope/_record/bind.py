@@ -2,9 +2,9 @@
 
 A block run in its steady state (``_adapters.steady``) runs its ops without the
 recorder; its record is the template's (``_record.template``) with this run's own
-objects put in (rule D4 of ``_adapters.steady``): an Input per outside tensor, a Var
-for each tensor that outlives the run (made when it is first saved or when the graph
-returns, registered, and put in its op's outputs in the template Var's place, which
+objects put in (rule D4 [ a steady run's record is bound ] of ``_adapters.steady``): an Input
+per outside tensor, a Var for each tensor that outlives the run (made when it is first saved or
+when the graph returns, registered, and put in its op's outputs in the template Var's place, which
 ``BlockRecord.renamed`` notes), the random states the run's random ops drew, and the
 signature. :class:`Binding` is that record, bound step by step as the run goes.
 """
@@ -26,7 +26,8 @@ Tensor = torch.Tensor
 
 
 class Binding:
-    """The record of one steady run of ``tpl``'s graph, bound as the run goes (D4)."""
+    """The record of one steady run of ``tpl``'s graph, bound as the run goes
+    (D4 [ a steady run's record is bound ])."""
 
     __slots__ = ("tpl", "frame", "record", "refs", "of", "vars", "inputs")
 
@@ -45,22 +46,26 @@ class Binding:
                 of[id(inp)] = s
         record.ops.extend(ops)
         record.signature = (tpl.key, Slots(refs, of))
-        record.registered = []  # D4: the Vars of the tensors that outlive the run, as they are made
+        # D4 [ a steady run's record is bound ]: the Vars of the tensors that outlive the run, as
+        # they are made
+        record.registered = []
         self.refs, self.of, self.inputs = refs, of, inputs
         self.vars: dict[int, Var] = {}  # id(template Var) -> this run's Var of a tensor that outlives it
 
     def own(self, tv: Var, t: Tensor) -> Var:
         """This run's Var of ``t``, the tensor template Var ``tv`` stands for, which
-        outlives the run (an output): registered, its op rebuilt (D4)."""
+        outlives the run (an output): registered, its op rebuilt
+        (D4 [ a steady run's record is bound ])."""
         var = self.vars.get(id(tv))
         if var is not None:
             return var
         root = tv.base
         if type(root) is Var and id(root) in self.tpl.output_ids:
             root = self.own(root, t._base if t._base is not None else t)
-        # Its version: the template's where its group has recorded writes (P2 compares
-        # them), else the tensor's own -- a custom op whose kernel fills its output in
-        # place bumps the output's counter when no dispatch mode is on, not under one.
+        # Its version: the template's where its group has recorded writes
+        # (P2 [ a handle is its tensor as saved ] compares them), else the tensor's own -- a
+        # custom op whose kernel fills its output in place bumps the output's counter when no
+        # dispatch mode is on, not under one.
         var = new_var(t, tv.op, self.frame, root, tv.version if tv.root.writes else t._version)
         if tv.writes:
             var.writes = tv.writes
@@ -78,8 +83,9 @@ class Binding:
         return var
 
     def captured(self, tensors: list[Tensor]) -> None:
-        """T6: the outside tensors the run made itself, taken from the graph's values
-        (one per ``tpl.captured``), bound with the ops that read them."""
+        """T6 [ kept ops' outputs taken from the graph ]: the outside tensors the run made
+        itself, taken from the graph's values (one per ``tpl.captured``), bound with the ops
+        that read them."""
         tpl, inputs = self.tpl, self.inputs
         for k, t in zip(tpl.captured, tensors):
             inp = inputs[k] = Input(t)
@@ -92,21 +98,23 @@ class Binding:
 
     def outputs(self, out: Any) -> None:
         """The graph returned ``out``: a Var of its own for each output the template's
-        block made (D4)."""
+        block made (D4 [ a steady run's record is bound ])."""
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for tv, o in zip(self.tpl.outputs, outs):
             if tv is not None and isinstance(o, Tensor):
                 self.own(tv, o)
 
     def random_states(self, states: dict[int, dict[torch.Generator, Tensor]]) -> None:
-        """T3: each random op's state, from the states the run observed (by observation)."""
+        """T3 [ random states observed at saves ]: each random op's state, from the states the
+        run observed (by observation)."""
         ops = self.record.ops
         for i, gen, at in self.tpl.rng_ops:
             ops[i] = ops[i]._replace(rng=(gen, states[at][gen]))
 
 
 def input_of(t: Tensor, registered: Any) -> Input:
-    """A run's Input for graph argument ``t`` (R5: another block's live tensor is noted)."""
+    """A run's Input for graph argument ``t`` (R5 [ another block's live tensor is noted ]:
+    another block's live tensor is noted)."""
     inp = Input(t)
     if registered is not None and registered() is t and not inp.snapshot:
         note_alias(registered, inp.tensor)

@@ -2,45 +2,49 @@
 
 RULES R1..R10: what a recording keeps.
 
-R1. A block never holds a tensor whose storage it wrote to: an Input written
-    by the block is replaced by a private copy of its value before the first
-    write, and replay writes into copies of that copy. (BatchNorm running
-    statistics then change once per forward; a view read later from the same
-    storage is copied too.)
-R2. Outputs of ops a ``save=`` policy keeps, of collectives and of higher-order
-    ops are not recorded: they are ordinary tensors, stored by autograd.
-    An op that writes to an argument is always recorded.
-R3. Ops of a backward pass that runs inside an open block belong to that pass,
-    not to the block; ops under ``no_grad`` in the block (an
-    ``autograd.Function`` forward) belong to the block.
-R4. ``dtype=None`` of a factory is recorded as the dtype forward resolved.
-R5. An Input that is another block's live tensor is noted in that tensor's
-    registry entry: its value is in memory anyway, and is used instead of
-    replaying the other block for as long as a handle of it is pending.
-R6. A write's version is read after the op has returned to autograd, where
-    ADInplaceOrView bumps it (some kernels write without a bump): when the next
-    op is recorded, when a tensor is packed, or when the block closes.
-R7. Ops that a compiled artifact (``torch.compile``) runs inside a block are not
-    recorded: its graph stores what it decides (``_base.torch_compat.in_compiled_code``).
-R8. Jagged nested tensors are not block tensors (autograd stores them): each
-    construction gets a fresh symbolic ragged size, so a replayed one could not
-    meet the gradients forward's size flows into. Ops that read one are not
-    recorded either (the record never holds one: it holds its block's tensors).
-    The tensors they are built from stay recomputable.
-R9. Each op is recorded with the numeric context it ran under (the global flags
-    its result may depend on: ``_base.torch_compat.numeric_context``). It is read when
-    the block opens and when a nested scope enters, and re-read before ops that
-    read such flags (``OpFacts.context``) and before ops with a Python float or
-    complex argument if the default dtype changed (type promotion reads it; the
-    only flag such an op reads); a change starts a new entry of the record's
-    ``contexts``.
-R10. A block tensor read at another version than the record can rebuild (a
-    write the recorder did not see: a compiled function called in the block
-    (R7), another thread) is read as an Input from then on: its value is kept,
-    as for a tensor from outside. Its storage group gets a write that cannot be
-    replayed, so that values saved before it raise instead of being rebuilt
-    without it, and later saves of it are stored. Checked at every recorded read
-    and, for the block's live tensors, when the block closes.
+R1. [ a written input is copied ] A block never holds a tensor whose storage it wrote
+    to: an Input written by the block is replaced by a private copy of its value before
+    the first write, and replay writes into copies of that copy. (BatchNorm running
+    statistics then change once per forward; a view read later from the same storage is
+    copied too.)
+R2. [ kept ops are not recorded ] Outputs of ops a ``save=`` policy keeps, of
+    collectives and of higher-order ops are not recorded: they are ordinary tensors,
+    stored by autograd. An op that writes to an argument is always recorded.
+R3. [ backward's ops are not the block's ] Ops of a backward pass that runs inside an
+    open block belong to that pass, not to the block; ops under ``no_grad`` in the block
+    (an ``autograd.Function`` forward) belong to the block.
+R4. [ dtype=None as resolved ] ``dtype=None`` of a factory is recorded as the dtype
+    forward resolved.
+R5. [ another block's live tensor is noted ] An Input that is another block's live
+    tensor is noted in that tensor's registry entry: its value is in memory anyway, and
+    is used instead of replaying the other block for as long as a handle of it is
+    pending.
+R6. [ versions are read after the op ] A write's version is read after the op has
+    returned to autograd, where ADInplaceOrView bumps it (some kernels write without a
+    bump): when the next op is recorded, when a tensor is packed, or when the block
+    closes.
+R7. [ compiled code is not recorded ] Ops that a compiled artifact (``torch.compile``)
+    runs inside a block are not recorded: its graph stores what it decides
+    (``_base.torch_compat.in_compiled_code``).
+R8. [ jagged nested tensors are not recorded ] Jagged nested tensors are not block
+    tensors (autograd stores them): each construction gets a fresh symbolic ragged size,
+    so a replayed one could not meet the gradients forward's size flows into. Ops that
+    read one are not recorded either (the record never holds one: it holds its block's
+    tensors). The tensors they are built from stay recomputable.
+R9. [ each op's numeric context ] Each op is recorded with the numeric context it ran
+    under (the global flags its result may depend on:
+    ``_base.torch_compat.numeric_context``). It is read when the block opens and when a
+    nested scope enters, and re-read before ops that read such flags
+    (``OpFacts.context``) and before ops with a Python float or complex argument if the
+    default dtype changed (type promotion reads it; the only flag such an op reads); a
+    change starts a new entry of the record's ``contexts``.
+R10. [ an unseen write makes an Input ] A block tensor read at another version than the
+    record can rebuild (a write the recorder did not see: a compiled function called in
+    the block (R7 [ compiled code is not recorded ]), another thread) is read as an
+    Input from then on: its value is kept, as for a tensor from outside. Its storage
+    group gets a write that cannot be replayed, so that values saved before it raise
+    instead of being rebuilt without it, and later saves of it are stored. Checked at
+    every recorded read and, for the block's live tensors, when the block closes.
 """
 
 from __future__ import annotations
@@ -67,22 +71,24 @@ _new_tuple = tuple.__new__
 
 
 class Unrecordable(Exception):
-    """An argument the record must not hold (R8): the op runs unrecorded."""
+    """An argument the record must not hold (R8 [ jagged nested tensors are not recorded ]): the
+    op runs unrecorded."""
 
 
 class _Inputs:
-    """The tensors from outside an open block that it reads (R1, R5)."""
+    """The tensors from outside an open block that it reads (R1 [ a written input is copied ],
+    R5 [ another block's live tensor is noted ])."""
 
     __slots__ = ("cache", "written")
 
     def __init__(self) -> None:
         self.cache: dict[int, Input] = {}  # by id(tensor), while it is unchanged
-        self.written: set[int] = set()  # storages the block wrote to (R1)
+        self.written: set[int] = set()  # storages the block wrote to (R1 [ a written input is copied ])
 
     def of(self, t: Tensor, entry: _registry.Entry | None) -> Input:
         """The Input standing for ``t`` (``entry``: t's registry entry if another block made it)."""
         if type(t) is not Tensor and t.is_nested:
-            raise Unrecordable  # R8
+            raise Unrecordable  # R8 [ jagged nested tensors are not recorded ]
         key = id(t)
         inp = self.cache.get(key)
         if inp is not None and inp.source() is t and inp.version == t._version:
@@ -90,15 +96,16 @@ class _Inputs:
         inp = Input(t)
         if not inp.snapshot:
             if self.written and data_address(t) in self.written:
-                inp.take_snapshot()  # R1
+                inp.take_snapshot()  # R1 [ a written input is copied ]
             else:
                 self.cache[key] = inp
                 if entry is not None and entry() is t:
-                    _registry.note_alias(entry, inp.tensor)  # R5
+                    _registry.note_alias(entry, inp.tensor)  # R5 [ another block's live tensor is noted ]
         return inp
 
     def before_write(self, root: Input) -> None:
-        """R1: the block is about to write to ``root``'s storage: copy every Input of it."""
+        """R1 [ a written input is copied ]: the block is about to write to ``root``'s storage:
+        copy every Input of it."""
         key = data_address(root.tensor)
         if key is not None:
             self.written.add(key)
@@ -132,15 +139,17 @@ class OpenBlock:
         self.owner = owner  # the block's replay state: its tensors' registry entries point to it
         self.ledger = lg
         frame.owner, frame.ledger = owner, lg
-        self.task = current_graph_task()  # R3: the backward pass it was opened in (-1: none)
+        # R3 [ backward's ops are not the block's ]: the backward pass it was opened in (-1: none)
+        self.task = current_graph_task()
         self.frames = [frame]
         self.starts = [0]  # op index at which each frame began
         self.frame = frame  # the innermost scope's
         self.inputs = _Inputs()
         self.counted = 0  # ops already counted into some frame's stats
-        # Writes of the last op, whose versions are not bumped yet (R6).
+        # Writes of the last op, whose versions are not bumped yet
+        # (R6 [ versions are read after the op ]).
         self.unsettled: list[tuple[Group, Tensor, int]] = []
-        self.context = numeric_context()  # R9: the context of the ops recorded now
+        self.context = numeric_context()  # R9 [ each op's numeric context ]: the context of the ops recorded now
         record.contexts.append((len(record.ops), self.context))
 
     # -- nested scopes
@@ -167,7 +176,8 @@ class OpenBlock:
             _registry.forget([v for rec in self.record.ops[start:] for v in rec.outs if v is not None])
 
     def settle(self) -> None:
-        """R6: note the version each write of the last op left its tensor at."""
+        """R6 [ versions are read after the op ]: note the version each write of the last op
+        left its tensor at."""
         for root, t, index in self.unsettled:
             self._add_write(root, index, t._version)
         self.unsettled.clear()
@@ -221,7 +231,7 @@ class OpenBlock:
         """Run and record one op (every op the hot path does not take)."""
         frame = self.frame
         if f.context or (_has_float(args) and default_dtype() is not self.context[0]):
-            note_context(self)  # R9
+            note_context(self)  # R9 [ each op's numeric context ]
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
@@ -230,7 +240,7 @@ class OpenBlock:
             return _decide_after(self, func, f, args, kwargs)
         if kept or f.never_replay:
             pre = _before_writes(self, f, args, kwargs) if f.writes else None
-            out = func(*args, **kwargs)  # R2: not recorded
+            out = func(*args, **kwargs)  # R2 [ kept ops are not recorded ]: not recorded
             for root, _ in pre or ():
                 self._add_write(root, len(self.record.ops), None)
             return out
@@ -266,7 +276,8 @@ class OpenBlock:
 
 
 def _ref_kwargs(block: OpenBlock, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The recorded form of keyword arguments (raises Unrecordable, R8)."""
+    """The recorded form of keyword arguments (raises Unrecordable,
+    R8 [ jagged nested tensors are not recorded ])."""
     rkwargs = {}
     for k, a in kwargs.items():
         if isinstance(a, Tensor):
@@ -301,17 +312,17 @@ def _append(
     else:
         outs = ()
     if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
-        rkwargs = {**rkwargs, "dtype": out.dtype}  # R4
+        rkwargs = {**rkwargs, "dtype": out.dtype}  # R4 [ dtype=None as resolved ]
     ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
 
 
 def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an op of a frame with a context policy, then ask the policy (it sees the
-    outputs): kept, it is not recorded (R2); else it is recorded as run_and_record
-    does. Only ops that write to no argument come here."""
+    outputs): kept, it is not recorded (R2 [ kept ops are not recorded ]); else it is recorded
+    as run_and_record does. Only ops that write to no argument come here."""
     frame = block.frame
     if f.never_replay:
-        return func(*args, **kwargs)  # R2
+        return func(*args, **kwargs)  # R2 [ kept ops are not recorded ]
     rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
     out = f.kernel(*args, **kwargs)
     ctx = OpContext(func, args, out, region_name(), running_module_path)
@@ -327,7 +338,9 @@ def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...]
         rargs = block.refs(args)
         rkwargs = _ref_kwargs(block, kwargs) if kwargs else NO_KWARGS
     except Unrecordable:
-        return out  # R8: its outputs are ordinary tensors (it writes nothing)
+        # R8 [ jagged nested tensors are not recorded ]: its outputs are ordinary tensors (it writes
+        # nothing)
+        return out
     first = args[0] if args else None
     if f.meta_only and isinstance(first, Tensor) and first.layout == torch.strided and not is_wrapper(first):
         rargs[0] = MetaArg(first)
@@ -352,7 +365,7 @@ def _new_var(
     if kind == INPLACE or _registry.lookup(t) is not None or _is_arg(t, args, kwargs):
         return None  # not a new tensor
     if type(t) is not Tensor and t.is_nested:
-        return None  # R8
+        return None  # R8 [ jagged nested tensors are not recorded ]
     root: Group | None = None
     version = 0
     if kind == VIEW:
@@ -380,7 +393,8 @@ def _new_var(
 def _before_writes(
     block: OpenBlock, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[Group, Tensor]]:
-    """The groups ``f`` is about to write to; Inputs among them are copied first (R1)."""
+    """The groups ``f`` is about to write to; Inputs among them are copied first
+    (R1 [ a written input is copied ])."""
     out: list[tuple[Group, Tensor]] = []
     for w in f.writes:
         a = kwargs.get(w) if isinstance(w, str) else (args[w] if w < len(args) else None)
@@ -396,7 +410,8 @@ def _before_writes(
 
 
 def note_context(block: OpenBlock) -> None:
-    """R9: re-read the numeric context; a change applies from the next op on."""
+    """R9 [ each op's numeric context ]: re-read the numeric context; a change applies from the
+    next op on."""
     ctx = numeric_context()
     if ctx != block.context:
         block.context = ctx
@@ -409,8 +424,9 @@ def note_context(block: OpenBlock) -> None:
 
 
 def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
-    """R10: ``t`` (the tensor of ``var``, at another version than ``var`` was made
-    at) as a new Input if a write the record cannot replay changed it, else None."""
+    """R10 [ an unseen write makes an Input ]: ``t`` (the tensor of ``var``, at another version
+    than ``var`` was made at) as a new Input if a write the record cannot replay changed it,
+    else None."""
     root = var.root
     writes = root.writes
     # With no recorded write the group is at its root's version: a view's own Var was
@@ -424,17 +440,18 @@ def unseen(block: OpenBlock, var: Var, t: Tensor) -> Input | None:
 
 
 def _note_unseen(block: OpenBlock, alive: list[tuple[Var, Tensor]]) -> None:
-    """R10 at block exit: the block's live tensors (``alive``: Vars with their
-    tensors) written unseen since their last recorded read (values saved before
-    such a write must not be rebuilt)."""
+    """R10 [ an unseen write makes an Input ] at block exit: the block's live tensors
+    (``alive``: Vars with their tensors) written unseen since their last recorded read (values
+    saved before such a write must not be rebuilt)."""
     for var, t in alive:
         if not t.is_inference() and t._version != var.version:
             unseen(block, var, t)
 
 
 def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run an op that reads a jagged nested tensor (R8) without recording it; block
-    tensors inside an argument it writes to can no longer be replayed."""
+    """Run an op that reads a jagged nested tensor
+    (R8 [ jagged nested tensors are not recorded ]) without recording it; block tensors inside
+    an argument it writes to can no longer be replayed."""
     out = func(*args, **kwargs)
     index = len(rec.record.ops)
     for w in f.writes:
@@ -448,7 +465,8 @@ def run_unrecorded(rec: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...],
 
 
 def _note_escaped(record: BlockRecord) -> None:
-    """At block exit (P8 in ``_restore.handles``): groups with separate-counter members alive now."""
+    """At block exit (P8 [ groups of separate counters ] in ``_restore.handles``): groups with
+    separate-counter members alive now."""
     for root, members in record.loose.items():
         alive = {v: t._version for v in (root, *members) if (t := _registry.tensor_of(v)) is not None}
         if len(alive) > 1:

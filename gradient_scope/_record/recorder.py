@@ -61,10 +61,11 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     if self.paused or not blocks or type(func) is not OpOverload:
         return func(*args, **(kwargs or {}))
     block = blocks[-1]
-    if block.task != current_graph_task():  # R3
+    if block.task != current_graph_task():  # R3 [ backward's ops are not the block's ]
         return func(*args, **(kwargs or {}))
     if not _grad_enabled() and in_compiled_code():
-        return func(*args, **(kwargs or {}))  # a compiled graph stores what it decides (R7)
+        # a compiled graph stores what it decides (R7 [ compiled code is not recorded ])
+        return func(*args, **(kwargs or {}))
     if block.unsettled:
         block.settle()
     f = _FACTS_GET(id(func))
@@ -76,7 +77,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
     # The hot path (most ops): positional arguments, one Tensor output, fresh or a view
     # (``OpenBlock.refs`` and ``_record.entry._new_var``, inlined: same records).
     if f.context:
-        note_context(block)  # R9
+        note_context(block)  # R9 [ each op's numeric context ]
     owner = block.owner
     rargs: list[Any] = []
     for a in args:
@@ -89,7 +90,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
                     same = t._version == var.version
                 except RuntimeError:  # an inference tensor: no version counter, never written
                     same = True
-                rargs.append(var if same else (unseen(block, var, t) or var))  # R10
+                rargs.append(var if same else (unseen(block, var, t) or var))  # R10 [ an unseen write makes an Input ]
             else:
                 try:
                     rargs.append(block.inputs.of(a, e))
@@ -101,12 +102,13 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
             rargs.append(a)
         else:
             if (type(a) is float or type(a) is complex) and default_dtype() is not block.context[0]:
-                note_context(block)  # R9: type promotion reads the default dtype
+                note_context(block)  # R9 [ each op's numeric context ]: type promotion reads the default dtype
             rargs.append(a)
     out = f.kernel(*args)
     ops = block.record.ops
     outs: tuple[Var | None, ...] = ()
-    if type(out) is Tensor or (isinstance(out, Tensor) and not out.is_nested):  # R8
+    # R8 [ jagged nested tensors are not recorded ]
+    if type(out) is Tensor or (isinstance(out, Tensor) and not out.is_nested):
         for a in args:
             if a is out:
                 break
@@ -144,13 +146,14 @@ class Recorder(TorchDispatchMode):
     """One per thread while a block is open there; records into the innermost block."""
 
     # Higher-order operators (flex_attention, ...) reach __torch_dispatch__ and
-    # run as they are (R2).
+    # run as they are (R2 [ kept ops are not recorded ]).
     supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Dynamo compiles functions called inside a block (it skips frames under
-        # modes that say False); the compiled artifacts' ops pass through (R7).
+        # modes that say False); the compiled artifacts' ops pass through
+        # (R7 [ compiled code is not recorded ]).
         return True
 
     def __init__(self) -> None:
@@ -231,7 +234,8 @@ def close_block(block: OpenBlock, aborted: bool) -> bool:
 
 
 def settle() -> None:
-    """R6 for every open block of this thread (before a pack decides)."""
+    """R6 [ versions are read after the op ] for every open block of this thread (before a pack
+    decides)."""
     r: Recorder | None = getattr(_tls, "recorder", None)
     if r is not None:
         for block in r.blocks:

@@ -6,7 +6,7 @@ shapes, dtypes and devices, in the same storage groups, written by the same ops.
 Replay shares what it derives from a record among all records of one signature
 (``_restore.structure``); a budget caches its plans by it and checks a block that is
 still being recorded against a plan's signature one decision at a time
-(:func:`output_matches`, ``_budget.budget`` M3).
+(:func:`output_matches`, ``_budget.budget`` M3 [ a plan follows its structure ]).
 
 The key is a tuple: one entry per op, then one entry per written storage group. An op's
 entry is a flat tuple -- ``id(op)``, whether it has no RNG state, its arity and its

@@ -11,29 +11,35 @@ random states (``_record.bind``). Replay of that record is replay of a recorded 
 
 RULES T1..T6: what makes a recorded run a template.
 
-T1. The record is one block, one frame, one numeric context, and every outside
-    tensor it read is a graph argument, read, never written (no R1 copy) and not a
-    wrapper subclass; every write to a block tensor is replayable (no R10 write), no
-    storage group with members of separate version counters has two among the
-    graph's outputs (so none can escape a run: P8) and no tensor is a jagged nested one.
-T2. Each save of the run is classified as it happens: a block tensor or a view of
-    one that becomes a handle or a budget's choice (S1, S4), one stored whatever the
-    plan (S1's exceptions), or not the block's (S2, or another block's: decided
-    again at every run). A save is checked at every run against its shape and dtype.
-T3. Every random op draws from its device's default generator, and its state in
-    the record is the state observed after the last save before it (or at the
-    block's start): no other random draw, recorded or not (a ``save=``-kept
-    dropout), lies between. A later run observes the states there.
-T4. The graph has no node of a nested scope (``_adapters.compile.graph``'s
-    annotation: nested scopes' options apply only when recorded) and no
-    higher-order op (a checkpointed region, ``flex_attention``).
-T5. A template is used only under the numeric context it was recorded in; another
-    context records the run as usual.
-T6. An outside tensor the block reads that is no graph argument is an output of an
-    op a ``save=`` policy keeps (not recorded: R2). The run after the first is recorded
-    again, node by node, to find the graph node whose value holds its storage; later
-    runs return those values too and take the tensor from them (same storage, dtype,
-    shape, strides and offset). Where no node holds it, there is no template.
+T1. [ one plain block ] The record is one block, one frame, one numeric context, and
+    every outside tensor it read is a graph argument, read, never written (no
+    R1 [ a written input is copied ] copy) and not a wrapper subclass; every write to a
+    block tensor is replayable (no R10 [ an unseen write makes an Input ] write), no
+    storage group with members of separate version counters has two among the graph's
+    outputs (so none can escape a run: P8 [ groups of separate counters ]) and no tensor
+    is a jagged nested one.
+T2. [ saves are classified as they happen ] Each save of the run is classified as it
+    happens: a block tensor or a view of one that becomes a handle or a budget's choice
+    (S1 [ block tensors become handles ], S4 [ a budget's choice is stored ]), one
+    stored whatever the plan (the exceptions of S1 [ block tensors become handles ]), or
+    not the block's (S2 [ anything else as without the scope ], or another block's:
+    decided again at every run). A save is checked at every run against its shape and
+    dtype.
+T3. [ random states observed at saves ] Every random op draws from its device's default
+    generator, and its state in the record is the state observed after the last save
+    before it (or at the block's start): no other random draw, recorded or not (a
+    ``save=``-kept dropout), lies between. A later run observes the states there.
+T4. [ no nested scope or higher-order op ] The graph has no node of a nested scope
+    (``_adapters.compile.graph``'s annotation: nested scopes' options apply only when
+    recorded) and no higher-order op (a checkpointed region, ``flex_attention``).
+T5. [ one numeric context ] A template is used only under the numeric context it was
+    recorded in; another context records the run as usual.
+T6. [ kept ops' outputs taken from the graph ] An outside tensor the block reads that is
+    no graph argument is an output of an op a ``save=`` policy keeps (not recorded:
+    R2 [ kept ops are not recorded ]). The run after the first is recorded again, node
+    by node, to find the graph node whose value holds its storage; later runs return
+    those values too and take the tensor from them (same storage, dtype, shape, strides
+    and offset). Where no node holds it, there is no template.
 """
 
 from __future__ import annotations
@@ -63,11 +69,12 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-OTHER, BLOCK, KEEP = 0, 1, 2  # T2: not the block's; handle or budget's choice; stored
+# T2 [ saves are classified as they happen ]: not the block's; handle or budget's choice; stored
+OTHER, BLOCK, KEEP = 0, 1, 2
 
 
 class Save(NamedTuple):
-    """One save of the run (T2)."""
+    """One save of the run (T2 [ saves are classified as they happen ])."""
 
     kind: int
     var: Var | None  # the template's Var of the tensor (or of the view's base)
@@ -81,7 +88,7 @@ class Save(NamedTuple):
 class Marker(Input):
     """Where a template's op reads its ``k``-th outside tensor. An Input without a
     tensor: the root of a template Var that views an outside tensor is one (never
-    written: T1), and every op that reads one is bound to the run's Input."""
+    written: T1 [ one plain block ]), and every op that reads one is bound to the run's Input."""
 
     __slots__ = ("k",)
 
@@ -139,14 +146,16 @@ class Template:
         self.output_ids: set[int] = set()  # ids of those Vars
         self.saves: list[Save] = []
         self.rng_ops: list[tuple[int, torch.Generator, int]] = []  # (op, generator, observation)
-        self.observe: dict[int, list[torch.Generator]] = {}  # saves seen -> generators to read (T3)
+        # saves seen -> generators to read (T3 [ random states observed at saves ])
+        self.observe: dict[int, list[torch.Generator]] = {}
         self.at_start: list[torch.Generator] = []  # generators read when the run starts
         self.context: NumericContext = ()
-        self.ops_saved = 0  # ops a save= policy kept (R2), counted per run
-        # T6: outside tensors made in the run (outputs of ops a save= policy keeps): their
-        # input indices; how each is taken from the graph's extra outputs, once found
-        # (``(extra output, element or -1, (dtype, size, stride, storage offset))``); the
-        # ops that read one (bound when the graph has returned); the graph that returns them.
+        self.ops_saved = 0  # ops a save= policy kept (R2 [ kept ops are not recorded ]), counted per run
+        # T6 [ kept ops' outputs taken from the graph ]: outside tensors made in the run
+        # (outputs of ops a save= policy keeps): their input indices; how each is taken from the
+        # graph's extra outputs, once found (``(extra output, element or -1, (dtype, size,
+        # stride, storage offset))``); the ops that read one (bound when the graph has
+        # returned); the graph that returns them.
         self.captured: list[int] = []
         self.capture: list[tuple[int, int, tuple[Any, ...]]] | None = None
         self.late_ops: list[int] = []
@@ -166,7 +175,8 @@ class Log:
 
 
 def build(record: BlockRecord, log: Log, args: list[Any], outs: Any, frames: int, has_nested: bool) -> Template | None:
-    """The template of a recorded run, or None where T1..T4 and T6 do not hold."""
+    """The template of a recorded run, or None where T1..T4 and
+    T6 [ kept ops' outputs taken from the graph ] do not hold."""
     if frames != 1 or has_nested or len(record.contexts) != 1 or record.escaped:
         return None
     key, slots = signature(record)
@@ -186,7 +196,8 @@ def build(record: BlockRecord, log: Log, args: list[Any], outs: Any, frames: int
             t.input_ops.append(i)
     t.outputs = [_output_var(o, copies) for o in (outs if isinstance(outs, (tuple, list)) else (outs,))]
     t.output_ids = {id(v) for v in t.outputs if v is not None}
-    for root, members in record.loose.items():  # T1: no group of separate counters can outlive a run
+    # T1 [ one plain block ]: no group of separate counters can outlive a run
+    for root, members in record.loose.items():
         if sum(id(copies[id(v)]) in t.output_ids for v in (root, *members)) > 1:
             return None
     for save, own in log.saves:
@@ -200,7 +211,7 @@ def build(record: BlockRecord, log: Log, args: list[Any], outs: Any, frames: int
 
 
 def _copy_refs(slots: Slots, args: list[Any], t: Template) -> dict[int, Any] | None:
-    """Template copies of the record's refs (T1), by id of the original."""
+    """Template copies of the record's refs (T1 [ one plain block ]), by id of the original."""
     position = {id(a): k for k, a in enumerate(args) if isinstance(a, Tensor)}
     copies: dict[int, Any] = {}
     anchor = torch.empty(0)  # every copy is a weak reference to this: dead once it goes
@@ -213,13 +224,14 @@ def _copy_refs(slots: Slots, args: list[Any], t: Template) -> dict[int, Any] | N
                 return None
             c = Marker(len(t.args))
             if k < 0:
-                t.captured.append(len(t.args))  # T6: found in the graph by the next run
+                # T6 [ kept ops' outputs taken from the graph ]: found in the graph by the next run
+                t.captured.append(len(t.args))
             t.args.append(k)
             t.input_slots.append(s)
         else:
             v: Var = r  # type: ignore[assignment]
             if v.size is None or any(w is None for _, w in v.writes):
-                return None  # T1: a jagged nested tensor, an unreplayable write
+                return None  # T1 [ one plain block ]: a jagged nested tensor, an unreplayable write
             c = template_var(v, anchor, _TEMPLATE_FRAME)
         copies[id(r)] = c
         t.refs.append(c)
@@ -252,7 +264,8 @@ def _template_op(rec: OpRecord, copies: dict[int, Any]) -> OpRecord:
     args = [_sub(a, copies) for a in rec.args]
     kwargs = {k: _sub(a, copies) for k, a in rec.kwargs.items()} if rec.kwargs else rec.kwargs
     outs = tuple(None if v is None else copies[id(v)] for v in rec.outs)
-    rng = None if rec.rng is None else (rec.rng[0], None)  # each run's own state (T3)
+    # each run's own state (T3 [ random states observed at saves ])
+    rng = None if rec.rng is None else (rec.rng[0], None)
     return OpRecord(rec.func, args, kwargs, rng, outs)
 
 
@@ -263,7 +276,7 @@ def _output_var(o: Any, copies: dict[int, Any]) -> Var | None:
 
 
 def _observations(record: BlockRecord, log: Log, t: Template) -> bool:
-    """T3: where each random op's state is observed in a run."""
+    """T3 [ random states observed at saves ]: where each random op's state is observed in a run."""
     gens = set(default_generators())
     last_random = -1
     for i, rec in enumerate(record.ops):
@@ -279,7 +292,7 @@ def _observations(record: BlockRecord, log: Log, t: Template) -> bool:
             return False
         seen = log.states[n - 1] if n else log.start
         if gen not in seen or not torch.equal(seen[gen], state):
-            return False  # an unrecorded draw lies between (T3)
+            return False  # an unrecorded draw lies between (T3 [ random states observed at saves ])
         t.rng_ops.append((i, gen, n))
         if n:
             t.observe.setdefault(n, [])

@@ -157,7 +157,8 @@ class Input:
     ``tensor`` is a detached alias (same storage and version counter, no history:
     holding the tensor itself could close a reference cycle through the autograd
     graph, which the garbage collector cannot see). ``snapshot``: ``tensor`` is a
-    private copy (R1, or an inference tensor, which has no version counter).
+    private copy (R1 [ a written input is copied ], or an inference tensor, which has no version
+    counter).
     """
 
     __slots__ = ("tensor", "source", "version", "snapshot", "writes", "storage")
@@ -238,10 +239,11 @@ class ViewSpec:
         return ViewSpec(view, base)
 
     def apply(self, base: Tensor) -> Tensor:
-        """The view on ``base``: a tensor that shares its version counter (P4 in
-        ``_restore.handles``: a consumer's write through it must be seen), but is no autograd
-        view of it; for a dtype view, or a base with conj/neg bits, a copy of the
-        storage (the same layout: kernels' bits may depend on it)."""
+        """The view on ``base``: a tensor that shares its version counter
+        (P4 [ each op at most once per pass ] in ``_restore.handles``: a consumer's write
+        through it must be seen), but is no autograd view of it; for a dtype view, or a base
+        with conj/neg bits, a copy of the storage (the same layout: kernels' bits may depend on
+        it)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         offset = (base.storage_offset() * base.element_size() + self.delta) // itemsize
         if self.dtype == base.dtype and not base.is_conj() and not base.is_neg():
@@ -263,7 +265,8 @@ class BlockOwner(Protocol):
     """What a frame's owner (its block's replay state, ``_restore.handles.ReplayState``)
     provides to the save path (``_save.pack``)."""
 
-    #: The block's record; None once released (P7 in ``_restore.handles``).
+    #: The block's record; None once released (P7 [ the record lives with its handles ] in
+    #: ``_restore.handles``).
     record: BlockRecord | None
 
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Any:
@@ -271,7 +274,7 @@ class BlockOwner(Protocol):
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of the block's values for a budget, or
-        is what it was offloaded into (S4)."""
+        is what it was offloaded into (S4 [ a budget's choice is stored ])."""
 
     def touched(self) -> None:
         """A value of the block is being unpacked."""
@@ -316,8 +319,9 @@ class Frame:
         store: Callable[[Var, Tensor], bool] | None = None,
     ) -> None:
         self.preserve_rng = preserve_rng
-        # A budget's decision (``_budget.budget`` M1): asked by the pack hook whether to store a
-        # saved tensor of this frame instead of making a handle (``_save.pack`` S4).
+        # A budget's decision (``_budget.budget`` M1 [ a block's plan decides each save ]):
+        # asked by the pack hook whether to store a saved tensor of this frame instead of making
+        # a handle (``_save.pack`` S4 [ a budget's choice is stored ]).
         self.store = store
         self.save = save
         self.debug = debug
@@ -373,11 +377,12 @@ class BlockRecord:
         # run registers only the tensors that outlive it: ``_adapters.steady``); None: all.
         self.registered: list[Var] | None = None
         # A steady-state run's template Vars that its own Vars replaced in their ops'
-        # outputs (an output's, D4): id(template Var) -> its output index. Views made in
-        # the run still name the template's Var as their root.
+        # outputs (an output's, D4 [ a steady run's record is bound ]): id(template Var) -> its
+        # output index. Views made in the run still name the template's Var as their root.
         self.renamed: dict[int, int] = {}
         # (first op index, numeric context) from where each context applies, in op
-        # order: the global flags the ops' results depend on (R9 in ``_record.entry``).
+        # order: the global flags the ops' results depend on (R9 [ each op's numeric context ]
+        # in ``_record.entry``).
         self.contexts: list[tuple[int, NumericContext]] = []
         self.debug_values: dict[Var, Tensor] = {}  # debug=True: what forward computed
         self.scratch: set[Var] = set()  # debug=True: kernel scratch outputs, never compared

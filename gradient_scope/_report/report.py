@@ -52,8 +52,9 @@ __all__ = ["SavedTensorsReport", "SavedTensorsRow", "saved_tensors_report"]
 
 
 class _Transparent:
-    """The report's pack hook: transparent (``_save.pack`` S4, S5), a budget below it still
-    offloads, and tells the report through the pack listener."""
+    """The report's pack hook: transparent (``_save.pack`` S4 [ a budget's choice is stored ],
+    S6 [ a region's saves go to its observer ]), a budget below it still offloads, and tells the
+    report through the pack listener."""
 
     transparent = True
     __slots__ = ("fn",)
@@ -129,7 +130,8 @@ class _Observer:
     def pack(self, t: torch.Tensor) -> Any:
         below = self.below
         if below is None:
-            # No pair of ours below: no block tensor of this thread is alive (I1).
+            # No pair of ours below: no block tensor of this thread is alive
+            # (I1 [ one pair of ours while needed ]).
             packed: Any = Stored(t, made_by_block=False)
             recomputable = False
         else:

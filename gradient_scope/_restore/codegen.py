@@ -1,4 +1,5 @@
-"""Restore, straight-line: a replay program compiled once into Python code (``_restore.handles`` P1, P5).
+"""Restore, straight-line: a replay program compiled once into Python code (``_restore.handles``
+P1 [ only the closure runs ], P5 [ replayed outputs are checked ]).
 
 ``_restore.replay`` interprets a :class:`~.structure.Program` op by op: per op it looks up how
 each argument is filled in, loops over the outputs and over the values to free. Every
@@ -12,12 +13,12 @@ interpreter does, in the same order (``tests/test_replay_code.py`` runs both).
 
 RULES C1..C2: when a replay program is compiled, and what its code depends on.
 
-C1. A program is compiled the ``HOT``-th time it runs; before, it is interpreted
-    (compiling costs more than one interpretation).
-C2. The code depends on the program, on where the record's numeric context changes
-    (R9 in ``_record.entry``: the code enters a context only where the op it applies to
-    starts) and on ``debug=True`` (every output compared): one function per
-    combination, cached on the program.
+C1. [ compiled at the HOT-th run ] A program is compiled the ``HOT``-th time it runs;
+    before, it is interpreted (compiling costs more than one interpretation).
+C2. [ what the code depends on ] The code depends on the program, on where the record's
+    numeric context changes (R9 [ each op's numeric context ] in ``_record.entry``: the
+    code enters a context only where the op it applies to starts) and on ``debug=True``
+    (every output compared): one function per combination, cached on the program.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .structure import Program, Structure
 __all__ = ["HOT", "compiled", "failed"]
 
 Tensor = torch.Tensor
-HOT = 2  # C1
+HOT = 2  # C1 [ compiled at the HOT-th run ]
 #: The compiled form of a program: ``(ops, refs, cache, contexts, debug_values) -> (value, kept)``.
 Code = Callable[[Any, Any, Any, Any, Any], tuple[Tensor, dict[int, Tensor]]]
 
@@ -53,9 +54,9 @@ def failed(func: Any, e: BaseException) -> RecomputeError:
 def compiled(
     st: Structure, program: Program, starts: tuple[int, ...], debug: bool, runtime: dict[str, Any]
 ) -> Code | None:
-    """The compiled form of ``program`` (C2), or None while it is not hot yet (C1).
-    ``runtime`` holds the interpreter's helpers the code calls: ``load``, ``check``,
-    ``rng`` (``(rng, func, args, kwargs) -> out``)."""
+    """The compiled form of ``program`` (C2 [ what the code depends on ]), or None while it is
+    not hot yet (C1 [ compiled at the HOT-th run ]). ``runtime`` holds the interpreter's helpers
+    the code calls: ``load``, ``check``, ``rng`` (``(rng, func, args, kwargs) -> out``)."""
     key = (starts, debug)
     code = program.code.get(key)
     if code is None:
@@ -138,7 +139,8 @@ def _call(st: Structure, i: int) -> str:
 def _outputs(
     st: Structure, i: int, outputs: Any, program: Program, debug: bool, names: dict[str, Any], direct: bool
 ) -> list[str]:
-    """Lines that bind (unless ``direct``), check (P5) and keep (P4) op ``i``'s outputs."""
+    """Lines that bind (unless ``direct``), check (P5 [ replayed outputs are checked ]) and keep
+    (P4 [ each op at most once per pass ]) op ``i``'s outputs."""
     lines = []
     for k, s, store in outputs:
         v = _name(s, store, program)

@@ -7,60 +7,65 @@ replay runs, and running them, is ``_restore.replay``'s.
 
 RULES P1..P10: what a replay keeps.
 
-P1. Only the recorded ops in the dependency closure of the requested value
-    run, in recorded order, below autograd (no graph is built) with grad mode
-    on, as in forward (some kernels, e.g. ``mkldnn_rnn_layer``, return fewer
-    outputs under no_grad), and with autocast off: the record is already below
-    autocast, so it holds the casts forward made. Random ops run with the generator state they had in
-    forward, inside a fork that restores the ambient state.
-P2. A handle stands for its tensor as autograd saved it: the state of the
-    tensor's storage group after every write the block recorded whose version
-    is the saved one. (A kernel may save an argument before writing to it
-    without bumping its version, as ``rrelu_with_noise`` does with its noise:
-    that write is part of the saved value.) A recorded write that did bump the
-    version after the save raises PyTorch's own in-place error, as PyTorch does.
-P3. A value still in memory is used as it is: the tensor itself while it
-    lives, or an alias another block holds of it (R5 in ``_record.entry``).
-P4. Within one backward pass each op runs at most once: values that other
-    pending handles of the block will ask for (their own values, and the values
-    their replays will read) are cached, each entry held by at least one
-    pending handle; the cache is dropped when no pending handle is left or the
-    pass ends. A served value is not copied, so its consumer may write into it (a
-    custom backward using its saved tensor as scratch): each entry keeps the
-    version it was cached at; a written entry is rebuilt for the values derived
-    from it, and for a handle of the written tensor itself raises PyTorch's
-    in-place error, as autograd would. A view is handed out sharing its base's
-    version counter (``ViewSpec.apply``).
-P5. Every replayed output is checked against forward's shape, dtype and device
-    (and values with ``debug=True``); a mismatch raises :class:`RecomputeError`.
-P6. An outside tensor the block read must be unchanged: same version and same
-    storage. A freed storage is handed to the registered freed-storage
-    handlers (FSDP2 re-gathers its parameters) before it is an error.
-P7. A closed block's record (its ops and the aliases of its inputs) lives only
-    as long as one of its handles: when autograd has released the last one,
-    backward needs the block no more and the record is released, also while
-    some of the block's tensors live on (a key/value cache). Such a tensor,
+P1. [ only the closure runs ] Only the recorded ops in the dependency closure of the
+    requested value run, in recorded order, below autograd (no graph is built) with grad
+    mode on, as in forward (some kernels, e.g. ``mkldnn_rnn_layer``, return fewer
+    outputs under no_grad), and with autocast off: the record is already below autocast,
+    so it holds the casts forward made. Random ops run with the generator state they had
+    in forward, inside a fork that restores the ambient state.
+P2. [ a handle is its tensor as saved ] A handle stands for its tensor as autograd saved
+    it: the state of the tensor's storage group after every write the block recorded
+    whose version is the saved one. (A kernel may save an argument before writing to it
+    without bumping its version, as ``rrelu_with_noise`` does with its noise: that write
+    is part of the saved value.) A recorded write that did bump the version after the
+    save raises PyTorch's own in-place error, as PyTorch does.
+P3. [ values in memory are used ] A value still in memory is used as it is: the tensor
+    itself while it lives, or an alias another block holds of it
+    (R5 [ another block's live tensor is noted ] in ``_record.entry``).
+P4. [ each op at most once per pass ] Within one backward pass each op runs at most
+    once: values that other pending handles of the block will ask for (their own values,
+    and the values their replays will read) are cached, each entry held by at least one
+    pending handle; the cache is dropped when no pending handle is left or the pass
+    ends. A served value is not copied, so its consumer may write into it (a custom
+    backward using its saved tensor as scratch): each entry keeps the version it was
+    cached at; a written entry is rebuilt for the values derived from it, and for a
+    handle of the written tensor itself raises PyTorch's in-place error, as autograd
+    would. A view is handed out sharing its base's version counter (``ViewSpec.apply``).
+P5. [ replayed outputs are checked ] Every replayed output is checked against forward's
+    shape, dtype and device (and values with ``debug=True``); a mismatch raises
+    :class:`RecomputeError`.
+P6. [ outside tensors must be unchanged ] An outside tensor the block read must be
+    unchanged: same version and same storage. A freed storage is handed to the
+    registered freed-storage handlers (FSDP2 re-gathers its parameters) before it is an
+    error.
+P7. [ the record lives with its handles ] A closed block's record (its ops and the
+    aliases of its inputs) lives only as long as one of its handles: when autograd has
+    released the last one, backward needs the block no more and the record is released,
+    also while some of the block's tensors live on (a key/value cache). Such a tensor,
     saved after that, is stored.
-P8. A storage group with members of separate version counters (``unsafe_chunk``
-    pieces) that outlive the block can change without the saved tensor's version
-    changing: later saves of it are stored, and a handle made earlier checks
-    those members before a replay.
-P9. A value a budget stored (``_save.pack`` S4) is, while autograd holds it, read by
-    replays of other values as a cached value: their closures stop at it. A closed
-    block is released (P7) once no handle is left and no stored or offloaded value is
-    alive (an offloaded one is noted by its packed object, which replays do not read), or
-    at once when its budget kept every value it saved (nothing will be replayed). An
-    outside tensor whose storage a budget offloaded in place is brought back by the
-    freed-storage handlers before a handle is served from it (P3).
-    Served, a stored value is what a handle of it would be: a written tensor
-    raises as P3 says; a stored copy written since the save, its tensor gone,
-    raises PyTorch's in-place error if this backward pass handed it out (a
-    consumer wrote it, as P4 says of a cached value) or if its block was released,
-    and otherwise gives way to a replay of the value as saved (P2).
-P10. A backward pass that unpacks a block's value without building a graph (no
-    ``create_graph``) marks the block used once the pass has ended: a budget's step
-    then no longer waits for it, though a retained graph keeps its handles
-    (``_budget.budget`` M2).
+P8. [ groups of separate counters ] A storage group with members of separate version
+    counters (``unsafe_chunk`` pieces) that outlive the block can change without the
+    saved tensor's version changing: later saves of it are stored, and a handle made
+    earlier checks those members before a replay.
+P9. [ stored values serve replays ] A value a budget stored (``_save.pack``
+    S4 [ a budget's choice is stored ]) is, while autograd holds it, read by replays of
+    other values as a cached value: their closures stop at it. A closed block is
+    released (P7 [ the record lives with its handles ]) once no handle is left and no
+    stored or offloaded value is alive (an offloaded one is noted by its packed object,
+    which replays do not read), or at once when its budget kept every value it saved
+    (nothing will be replayed). An outside tensor whose storage a budget offloaded in
+    place is brought back by the freed-storage handlers before a handle is served from
+    it (P3 [ values in memory are used ]). Served, a stored value is what a handle of it
+    would be: a written tensor raises as P3 [ values in memory are used ] says; a stored
+    copy written since the save, its tensor gone, raises PyTorch's in-place error if
+    this backward pass handed it out (a consumer wrote it, as
+    P4 [ each op at most once per pass ] says of a cached value) or if its block was
+    released, and otherwise gives way to a replay of the value as saved
+    (P2 [ a handle is its tensor as saved ]).
+P10. [ a pass without a graph marks use ] A backward pass that unpacks a block's value
+    without building a graph (no ``create_graph``) marks the block used once the pass
+    has ended: a budget's step then no longer waits for it, though a retained graph
+    keeps its handles (``_budget.budget`` M2 [ what a step is ]).
 """
 
 from __future__ import annotations
@@ -127,16 +132,16 @@ class Handle:
             raise
 
     def __del__(self) -> None:
-        # Autograd released this saved tensor (P7). At interpreter shutdown the
-        # slots may already be cleared.
+        # Autograd released this saved tensor (P7 [ the record lives with its handles ]). At
+        # interpreter shutdown the slots may already be cleared.
         state = getattr(self, "state", None)
         if state is not None:
             state.dropped(id(self))
 
 
 def materialize(h: Handle) -> Tensor:
-    """The value ``h`` stands for (P3, else a replay), as autograd saved it. With
-    ``debug=True`` it is always replayed, then compared with the saved tensor."""
+    """The value ``h`` stands for (P3 [ values in memory are used ], else a replay), as autograd
+    saved it. With ``debug=True`` it is always replayed, then compared with the saved tensor."""
     var = h.var
     t = var()
     if t is not None and t._version != h.version:
@@ -145,7 +150,7 @@ def materialize(h: Handle) -> Tensor:
     # Most block tensors are dead in backward, with no alias: nothing in memory then.
     t = value_in_memory(var, h.version) if h.check is None and (t is not None or var.aliases) else None
     if t is not None and storage_freed(t) and not restore_freed(t):
-        t = None  # emptied by someone we cannot ask (P9): replay it
+        t = None  # emptied by someone we cannot ask (P9 [ stored values serve replays ]): replay it
     if t is not None and not h.itself and moved(var, t):
         t = None  # swapped after the save: autograd would hand back the data of the save
     if t is not None:
@@ -169,8 +174,9 @@ def materialize(h: Handle) -> Tensor:
 
 
 class _Pass:
-    """Replay state of one block within one backward pass (P4). Pending handles are
-    held weakly; a handle that dies unserved releases what it held (``dropped``)."""
+    """Replay state of one block within one backward pass
+    (P4 [ each op at most once per pass ]). Pending handles are held weakly; a handle that dies
+    unserved releases what it held (``dropped``)."""
 
     __slots__ = ("task", "cache", "versions", "refs", "holds", "pending")
 
@@ -220,8 +226,9 @@ class _Pass:
 
 
 class _Stored:
-    """The part of a block's replay state that serves the values a budget stored (P9)
-    and tells a budget which blocks a finished pass used (P10)."""
+    """The part of a block's replay state that serves the values a budget stored
+    (P9 [ stored values serve replays ]) and tells a budget which blocks a finished pass used
+    (P10 [ a pass without a graph marks use ])."""
 
     __slots__ = ("kept", "handed", "touch", "used")
     record: BlockRecord | None
@@ -242,11 +249,12 @@ class _Stored:
         raise NotImplementedError
 
     def awaited(self) -> bool:
-        """Whether a backward pass is still to use this block (P10)."""
+        """Whether a backward pass is still to use this block
+        (P10 [ a pass without a graph marks use ])."""
         return not self.used and self.pending_backward()
 
     def touched(self) -> None:
-        """A value of this block is being unpacked (P10)."""
+        """A value of this block is being unpacked (P10 [ a pass without a graph marks use ])."""
         task = current_graph_task()
         if task == -1 or task == self.touch or torch.is_grad_enabled():
             return
@@ -261,7 +269,8 @@ class _Stored:
         queue_engine_callback(end)
 
     def hand_out(self, var: Var) -> None:
-        """A stored value of ``var`` is handed to the current backward pass (P9)."""
+        """A stored value of ``var`` is handed to the current backward pass
+        (P9 [ stored values serve replays ])."""
         task = current_graph_task()
         with self.lock:
             if self.handed[0] != task:
@@ -270,13 +279,15 @@ class _Stored:
 
     def handed_out(self, var: Var) -> bool:
         """Whether the current backward pass was handed a stored value of ``var``: if it
-        was written since, a consumer wrote it (P4, P9)."""
+        was written since, a consumer wrote it (P4 [ each op at most once per pass ],
+        P9 [ stored values serve replays ])."""
         task, handed = self.handed
         return task != -1 and task == current_graph_task() and id(var) in handed
 
     def replay_saved(self, var: Var, version: int, view: ViewSpec | None) -> Tensor:
-        """``var``'s value as saved at ``version`` (``view`` of it), replayed (P2) for a
-        stored value that no longer holds it (P9)."""
+        """``var``'s value as saved at ``version`` (``view`` of it), replayed
+        (P2 [ a handle is its tensor as saved ]) for a stored value that no longer holds it
+        (P9 [ stored values serve replays ])."""
         h = _Saved(var, version, view)
         value = self.replay(h)  # type: ignore[arg-type]
         if view is not None:
@@ -285,8 +296,8 @@ class _Stored:
         return value
 
     def release_all_kept(self) -> bool:
-        """P9: a closed block with no handle, whose budget kept every value it saved, is
-        released now. True if it was."""
+        """P9 [ stored values serve replays ]: a closed block with no handle, whose budget kept
+        every value it saved, is released now. True if it was."""
         with self.lock:
             record = self.record
             if self.handles or record is None or record.open:
@@ -304,7 +315,7 @@ class ReplayState(_Stored):
     __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stats", "site", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
-        self.record: BlockRecord | None = record  # None once released (P7)
+        self.record: BlockRecord | None = record  # None once released (P7 [ the record lives with its handles ])
         # Where replays are counted and the site errors name, for a block whose Vars are
         # shared with other blocks (a steady-state run's: ``_adapters.steady``); None:
         # each Var's own frame's.
@@ -315,20 +326,25 @@ class ReplayState(_Stored):
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
-        # P9: what a budget stored, by id (weakly: autograd owns it; each has ``var``,
-        # ``view`` and ``alias``, the stored tensor, or None where the pair below ours
-        # holds it), and what it offloaded (the packed object: no ``alias``).
+        # P9 [ stored values serve replays ]: what a budget stored, by id (weakly: autograd owns
+        # it; each has ``var``, ``view`` and ``alias``, the stored tensor, or None where the
+        # pair below ours holds it), and what it offloaded (the packed object: no ``alias``).
         self.kept: dict[int, weakref.ref[Any]] = {}
         # The backward pass that last unpacked a stored value, and the Vars (by id: a Var
-        # refers to this state) whose stored values it handed out (P9: a consumer may
-        # write into one, as into a cached value).
+        # refers to this state) whose stored values it handed out
+        # (P9 [ stored values serve replays ]: a consumer may write into one, as into a cached
+        # value).
         self.handed: tuple[int, set[int]] = (-1, set())
-        self.touch = -1  # the last backward pass that unpacked a value of the block (P10)
-        self.used = False  # a pass that built no graph used the block and has ended (P10)
+        # the last backward pass that unpacked a value of the block
+        # (P10 [ a pass without a graph marks use ])
+        self.touch = -1
+        # a pass that built no graph used the block and has ended
+        # (P10 [ a pass without a graph marks use ])
+        self.used = False
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of this block's values, or is what
-        one was offloaded into (P9)."""
+        one was offloaded into (P9 [ stored values serve replays ])."""
         with self.lock:
             self.kept[id(kept)] = weakref.ref(kept, _on_kept_death(weakref.ref(self), id(kept)))
 
@@ -340,7 +356,7 @@ class ReplayState(_Stored):
 
     def new_handle(self, var: Var, version: int, view: ViewSpec | None, check: Tensor | None, itself: bool) -> Handle:
         """A pending handle standing for ``var`` saved at ``version`` (the save path
-        decided it is one: S1 in ``_save.pack``)."""
+        decided it is one: S1 [ block tensors become handles ] in ``_save.pack``)."""
         h = Handle(self, var, version, view, check, itself)
         with self.lock:
             self.pending[id(h)] = weakref.ref(h)
@@ -348,7 +364,8 @@ class ReplayState(_Stored):
         return h
 
     def replay(self, h: Handle) -> Tensor:
-        """Recompute ``h``'s value (P1, P2, P4)."""
+        """Recompute ``h``'s value (P1 [ only the closure runs ],
+        P2 [ a handle is its tensor as saved ], P4 [ each op at most once per pass ])."""
         var = h.var
         root = var.root
         writes = root.writes
@@ -365,10 +382,10 @@ class ReplayState(_Stored):
             if post > h.version:
                 raise inplace_error(var.describe(), h.version, post)
         record = self.record
-        if record is None:  # P7: a live handle keeps its record
+        if record is None:  # P7 [ the record lives with its handles ]: a live handle keeps its record
             internal_error("a block record was released early")
         escaped = record.escaped.get(root) if record.escaped and type(root) is Var else None
-        for member, version in escaped.items() if escaped else ():  # P8
+        for member, version in escaped.items() if escaped else ():  # P8 [ groups of separate counters ]
             t = tensor_of(member)
             if member is not var and (t is None or t._version != version):
                 raise RecomputeError(
@@ -405,7 +422,8 @@ class ReplayState(_Stored):
 
     def dropped(self, hid: int) -> None:
         """Handle ``hid`` died: it releases what it held in the current pass; once
-        none is left after the block closed, the record is released (P7)."""
+        none is left after the block closed, the record is released
+        (P7 [ the record lives with its handles ])."""
         with self.lock:
             self.handles -= 1
             self.pending.pop(hid, None)
@@ -418,15 +436,16 @@ class ReplayState(_Stored):
             self.release_if_done()
 
     def release_if_done(self) -> None:
-        """P7, P9: a closed block with no handle left and no stored value alive is
-        released (call under ``lock``)."""
+        """P7 [ the record lives with its handles ], P9 [ stored values serve replays ]: a
+        closed block with no handle left and no stored value alive is released (call under
+        ``lock``)."""
         record = self.record
         done = self.handles == 0 and record is not None and not record.open
         if done and not self.kept:
             self.record = self.current = None
             self.derived = Derived()
 
-    # -- P4 bookkeeping
+    # -- P4 [ each op at most once per pass ] bookkeeping
 
     def served(self, h: Handle) -> None:
         """``h`` was served without a replay (its value is in memory)."""
@@ -461,9 +480,9 @@ class ReplayState(_Stored):
 
 
 class _Replaying:
-    """What a replay runs under (P1): this thread's recorder paused, grad mode on, below
-    autograd, and a profiler range while a profiler runs. One guard: a replay's fixed
-    cost is paid once per replay pass of a block, several times per layer."""
+    """What a replay runs under (P1 [ only the closure runs ]): this thread's recorder paused,
+    grad mode on, below autograd, and a profiler range while a profiler runs. One guard: a
+    replay's fixed cost is paid once per replay pass of a block, several times per layer."""
 
     __slots__ = ("paused", "grad", "below", "range")
 
@@ -488,7 +507,8 @@ class _Replaying:
 
 def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
     """The values the other pending handles of the pass will ask for that are
-    neither cached nor in memory (P4), with the handle that will ask."""
+    neither cached nor in memory (P4 [ each op at most once per pass ]), with the handle that
+    will ask."""
     out: list[tuple[Var, Handle]] = []
     cache = ps.cache
     for ref in list(ps.pending.values()):
@@ -499,9 +519,9 @@ def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
         root = n2 if n2.base is None else n2.base
         if (n2, len(root.writes)) in cache:
             continue
-        # A value in memory serves h2 (P3), except with debug=True, which replays:
-        # then h2 shares this replay's value, as its tensor shares storage in plain.
-        # (Most tensors are dead in backward, with no alias: nothing to look up.)
+        # A value in memory serves h2 (P3 [ values in memory are used ]), except with
+        # debug=True, which replays: then h2 shares this replay's value, as its tensor shares
+        # storage in plain. (Most tensors are dead in backward, with no alias: nothing to look up.)
         if (n2() is not None or n2.aliases) and h2.check is None and value_in_memory(n2, h2.version) is not None:
             continue
         out.append((n2, h2))
@@ -509,8 +529,9 @@ def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
 
 
 class _Saved:
-    """What a replay of a stored value's value is asked for as (P9): a handle's
-    ``var`` and ``version``, pending in no pass (no ``__del__``: it is no handle)."""
+    """What a replay of a stored value's value is asked for as
+    (P9 [ stored values serve replays ]): a handle's ``var`` and ``version``, pending in no pass
+    (no ``__del__``: it is no handle)."""
 
     __slots__ = ("var", "version", "view", "check")
 
@@ -521,7 +542,8 @@ class _Saved:
 def _with_kept(
     kept: dict[int, weakref.ref[Any]], cache: dict[tuple[Var, int], Tensor]
 ) -> dict[tuple[Var, int], Tensor]:
-    """``cache`` and the stored values still held by autograd, as saved (P9)."""
+    """``cache`` and the stored values still held by autograd, as saved
+    (P9 [ stored values serve replays ])."""
     if not kept:
         return cache
     out = dict(cache)
@@ -537,7 +559,7 @@ def _with_kept(
 
 def _on_kept_death(ref: weakref.ref[ReplayState], key: int) -> Callable[[object], None]:
     """The callback of a stored value's weak reference: the last one may release its
-    block (P9). Holds its state weakly (no reference cycle)."""
+    block (P9 [ stored values serve replays ]). Holds its state weakly (no reference cycle)."""
 
     def died(_: object) -> None:
         state = ref()

@@ -1,13 +1,14 @@
 """Restore, the replay itself: which recorded ops of a block rebuild a value, which
 values to keep for the rest of the backward pass, and running them (``_restore.handles``
-P1, P4, P5, P6).
+P1 [ only the closure runs ], P4 [ each op at most once per pass ],
+P5 [ replayed outputs are checked ], P6 [ outside tensors must be unchanged ]).
 
 A plan is a sorted list of op indices. Every argument of a recorded op was made
 by an earlier op, so the closure is found in one pass over the ops, from the
 last one down. Running a plan drops each intermediate value as soon as no later
 op of the plan reads it, except the values the other pending handles of the
-pass will ask for (P4): those it returns, each with the handle that will ask.
-Plans, and when each value is dropped, are worked out once per record structure
+pass will ask for (P4 [ each op at most once per pass ]): those it returns, each with the handle
+that will ask. Plans, and when each value is dropped, are worked out once per record structure
 (``_restore.structure``): every layer and every step with the same structure shares them.
 """
 
@@ -43,7 +44,8 @@ def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
 
 
 def restore_freed(t: Tensor) -> bool:
-    """Ask the freed-storage handlers to bring ``t``'s storage back; True if one did (P6)."""
+    """Ask the freed-storage handlers to bring ``t``'s storage back; True if one did
+    (P6 [ outside tensors must be unchanged ])."""
     return any(fn(t) for fn in _freed_storage_handlers)
 
 
@@ -55,17 +57,20 @@ def same_values(a: Tensor, b: Tensor) -> bool:
 
 
 def _same_storage(r: Input, src: Tensor) -> bool:
-    """Whether ``src`` still has the storage the block read it with (P6)."""
+    """Whether ``src`` still has the storage the block read it with
+    (P6 [ outside tensors must be unchanged ])."""
     if r.storage is not None:  # a wrapper whose alias has its own placeholder storage
         return storage_id(src) == r.storage._cdata  # type: ignore[no-any-return]
     return data_storage_id(src) == data_storage_id(r.tensor)
 
 
 def _input_value(r: Input, func: Any) -> Tensor:
-    """An outside tensor's value as the block read it (P6), or a RecomputeError."""
+    """An outside tensor's value as the block read it
+    (P6 [ outside tensors must be unchanged ]), or a RecomputeError."""
     t = r.tensor
     if r.snapshot:
-        return t.clone(memory_format=torch.preserve_format)  # replay writes into a copy (R1)
+        # replay writes into a copy (R1 [ a written input is copied ])
+        return t.clone(memory_format=torch.preserve_format)
     if storage_freed(t) and not restore_freed(t):
         raise RecomputeError(
             f"gradient_scope: cannot recompute the output of {func}: its input tensor of shape "
@@ -98,7 +103,7 @@ def _input_value(r: Input, func: Any) -> Tensor:
 
 
 def _check(func: Any, var: Var, value: Any, debug_values: dict[Var, Tensor]) -> None:
-    """P5: a replayed output must look like forward's."""
+    """P5 [ replayed outputs are checked ]: a replayed output must look like forward's."""
     if not isinstance(value, Tensor):
         raise RecomputeError(
             f"gradient_scope: replaying {func} returned {type(value).__name__} where forward "
@@ -164,10 +169,11 @@ def replay(
     wanted: Sequence[tuple[Var, H]],
     stats: ScopeStats,
 ) -> tuple[Tensor, list[tuple[H, Key, Tensor]]]:
-    """Rebuild ``target`` (P1): values in ``cache`` or alive are not rebuilt.
-    ``wanted`` lists the values other pending handles of the pass will ask for
-    (P4); returns the value and ``(holder, key, value)`` for each wanted value this
-    replay made on the way: what the pass keeps. The pass is counted in ``stats``."""
+    """Rebuild ``target`` (P1 [ only the closure runs ]): values in ``cache`` or alive are not
+    rebuilt. ``wanted`` lists the values other pending handles of the pass will ask for
+    (P4 [ each op at most once per pass ]); returns the value and ``(holder, key, value)`` for
+    each wanted value this replay made on the way: what the pass keeps. The pass is counted in
+    ``stats``."""
     st, slots = derived.of(record)
     refs, of = slots.refs, slots.of
 
@@ -232,7 +238,9 @@ def _run(
     ops, refs, fills, positional, meta = record.ops, slots.refs, st.fills, st.positional, st.meta
     kernels, keep = st.kernels, program.keep
     env: list[Any] = [None] * len(refs)
-    for s, i in program.loads:  # what the plan reads but does not make (P3, P6)
+    # what the plan reads but does not make (P3 [ values in memory are used ],
+    # P6 [ outside tensors must be unchanged ])
+    for s, i in program.loads:
         env[s] = _load(refs[s], ops[i].func, cache)
     debug_values = record.debug_values
     produced: dict[int, Tensor] = {}
@@ -283,8 +291,9 @@ def _run(
 
 
 class _Contexts:
-    """R9 (``_record.entry``) at replay: each op runs under the numeric context it was
-    recorded in; the ambient context is restored on exit, also when replay raises."""
+    """R9 [ each op's numeric context ] (``_record.entry``) at replay: each op runs under the
+    numeric context it was recorded in; the ambient context is restored on exit, also when
+    replay raises."""
 
     __slots__ = ("contexts", "j", "ambient", "current")
 

@@ -17,9 +17,9 @@ time the record mentions it. A record's own ``Slots`` maps slot numbers back to 
 Vars and Inputs.
 
 A plan depends on more than the structure in one respect: a value still in memory is
-not rebuilt (P3 in ``_restore.handles``). A cached plan therefore remembers which values it
-asked about and what the answers were; it is reused only where every one of those
-answers is the same (:meth:`Structure.closure`), which means the closure would have
+not rebuilt (P3 [ values in memory are used ] in ``_restore.handles``). A cached plan therefore
+remembers which values it asked about and what the answers were; it is reused only where every
+one of those answers is the same (:meth:`Structure.closure`), which means the closure would have
 asked the same questions and come to the same plan.
 """
 
@@ -54,9 +54,9 @@ class Closure:
 
 
 class Program:
-    """How to run a plan for one target and one set of wanted values (P4): the slots
-    loaded before the first op, and per op of the plan which outputs to keep in the
-    environment and which slots to free after it."""
+    """How to run a plan for one target and one set of wanted values
+    (P4 [ each op at most once per pass ]): the slots loaded before the first op, and per op of
+    the plan which outputs to keep in the environment and which slots to free after it."""
 
     __slots__ = ("plan", "target", "loads", "steps", "targets", "frontier", "keep", "runs", "code")
 
@@ -69,8 +69,9 @@ class Program:
         self.targets: dict[int, list[int]] = {}  # slot -> positions in wanted it serves
         self.frontier: dict[int, list[int]] = {}  # slot -> positions in wanted whose replay reads it
         self.keep: frozenset[int] = frozenset()
-        self.runs = 0  # how often it was interpreted (C1 in ``_restore.codegen``)
-        self.code: dict[Hashable, Any] = {}  # its compiled forms (C2 in ``_restore.codegen``)
+        self.runs = 0  # how often it was interpreted (C1 [ compiled at the HOT-th run ] in ``_restore.codegen``)
+        # its compiled forms (C2 [ what the code depends on ] in ``_restore.codegen``)
+        self.code: dict[Hashable, Any] = {}
 
 
 class Structure:
@@ -197,7 +198,8 @@ class Structure:
         return pairs
 
     def program(self, c: Closure, target: int, wanted: tuple[int, ...]) -> Program:
-        """How to run plan ``c`` for ``target`` while keeping ``wanted`` (P4)."""
+        """How to run plan ``c`` for ``target`` while keeping ``wanted``
+        (P4 [ each op at most once per pass ])."""
         key = (target, wanted)
         p = c.programs.get(key)
         if p is None:

@@ -7,5 +7,6 @@
   autograd stores it, or what the pair below ours makes (RULES S1..S6: what a save
   becomes).
 - ``sequencer`` -- the saves of a block run in its steady state: logged and classified in
-  its template's first run, taken in order from the template after (``pack``'s S5).
+  its template's first run, taken in order from the template after (``pack``'s
+  S5 [ a steady run's saves go to its sequencer ]).
 """

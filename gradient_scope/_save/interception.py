@@ -3,55 +3,58 @@ PyTorch's saved-tensor hook stack or patches PyTorch.
 
 RULES I1..I8: the hook pair's invariants.
 
-I1. While a thread has an open block, a live block tensor or an open model
-    region (``_save.pack`` S6), exactly one pair of ours is on its hook stack,
-    innermost unless a context was entered after it; when it has none of them,
-    at the next safe point (I4), the pair leaves and the stack is exactly what it
-    would be without the scope. Blocks and regions are numbered in one sequence
-    (:func:`next_serial`).
-I2. Our pack callable carries the pair directly below it and hands it every
-    tensor that is not ours (S2 in ``_save.pack``). A pair pushed above another
-    context (a block started inside it) intercepts only tensors of blocks
-    started from then on (block serials): by PyTorch's innermost-wins rule the
-    context gets the tensors of blocks that were already open when it was
-    entered. (This also keeps torch.utils.checkpoint's count of saved tensors
-    the same in forward and in its recomputation.)
-I3. ``saved_tensors_hooks.__exit__`` pops whatever is on top, and looks
-    ``torch._C._autograd._pop_saved_tensors_default_hooks`` up when it runs.
-    While any thread has our pair, that attribute is our pop: a pop while our
-    pair is on top removes the innermost *other* pair -- the one whose context
-    is exiting, since other contexts exit in LIFO order among themselves --
-    from under ours.
-I4. A thread's stack is edited only by that thread, never inside our own pack
-    or unpack (exiting hooks from inside a hook has crashed PyTorch,
-    pytorch/pytorch#130734), and never inside a backward pass (the engine
-    restores the thread's stack when the pass ends): ``torch.autograd.backward``
+I1. [ one pair of ours while needed ] While a thread has an open block, a live block
+    tensor or an open model region (``_save.pack``
+    S6 [ a region's saves go to its observer ]), exactly one pair of ours is on its hook
+    stack, innermost unless a context was entered after it; when it has none of them, at
+    the next safe point (I4 [ stacks edited at safe points only ]), the pair leaves and
+    the stack is exactly what it would be without the scope. Blocks and regions are
+    numbered in one sequence (:func:`next_serial`).
+I2. [ the pair below gets the rest ] Our pack callable carries the pair directly below
+    it and hands it every tensor that is not ours
+    (S2 [ anything else as without the scope ] in ``_save.pack``). A pair pushed above
+    another context (a block started inside it) intercepts only tensors of blocks
+    started from then on (block serials): by PyTorch's innermost-wins rule the context
+    gets the tensors of blocks that were already open when it was entered. (This also
+    keeps torch.utils.checkpoint's count of saved tensors the same in forward and in its
+    recomputation.)
+I3. [ the pop patch ] ``saved_tensors_hooks.__exit__`` pops whatever is on top, and
+    looks ``torch._C._autograd._pop_saved_tensors_default_hooks`` up when it runs. While
+    any thread has our pair, that attribute is our pop: a pop while our pair is on top
+    removes the innermost *other* pair -- the one whose context is exiting, since other
+    contexts exit in LIFO order among themselves -- from under ours.
+I4. [ stacks edited at safe points only ] A thread's stack is edited only by that
+    thread, never inside our own pack or unpack (exiting hooks from inside a hook has
+    crashed PyTorch, pytorch/pytorch#130734), and never inside a backward pass (the
+    engine restores the thread's stack when the pass ends): ``torch.autograd.backward``
     and ``torch.autograd.grad`` are wrapped to sweep when they return.
-I5. The patches of I3, I4 and I6 are installed while any thread has our pair, and
-    removed with the last one. Removal puts back an attribute only if it still
-    holds our patch; if something wrapped ours meanwhile, ours stays in that
-    chain, inert (it acts only while some thread has our pair), and is not
-    installed a second time.
-I6. ``torch.autograd.graph.disable_saved_tensors_hooks`` (what ``torch.func``'s
-    grad/vjp/jacrev enter) refuses while any pair is on the stack, with its
-    caller's message; while this thread has our pair, the refusal also says that
-    the pair is ours and how to avoid it. It looks
+I5. [ patches live with our pairs ] The patches of I3 [ the pop patch ],
+    I4 [ stacks edited at safe points only ] and I6 [ hooks disabled: the refusal ] are
+    installed while any thread has our pair, and removed with the last one. Removal puts
+    back an attribute only if it still holds our patch; if something wrapped ours
+    meanwhile, ours stays in that chain, inert (it acts only while some thread has our
+    pair), and is not installed a second time.
+I6. [ hooks disabled: the refusal ] ``torch.autograd.graph.disable_saved_tensors_hooks``
+    (what ``torch.func``'s grad/vjp/jacrev enter) refuses while any pair is on the
+    stack, with its caller's message; while this thread has our pair, the refusal also
+    says that the pair is ours and how to avoid it. It looks
     ``torch._C._autograd._saved_tensors_hooks_disable`` up when it runs.
-I7. Inside a backward pass (a checkpoint's recomputation, a custom backward)
-    a thread's stack is the engine's copy, which the engine drops when the node
-    ends: a pair pushed there needs no sweep, and the thread counts as having
-    our pair (I5) until the pass ends, when an engine callback queued at its
-    first push in that pass releases it (in whichever thread ends the pass;
-    also when the pass raises: then the callback is dropped unrun, and
-    releases as it dies). Without it, a scope whose blocks run only inside
-    passes would leave the patches installed: no sweep outside a pass follows.
-I8. When the last tensor of the main thread's blocks dies in another thread (a
-    worker ran backward), the main thread removes its pair at its next bytecode
-    boundary (a pending call, ``_base.main_thread``), unless it is then inside a
-    backward pass (the wrapper of I4 sweeps when it returns) or in code that edits
-    the stack or enters a scope (then at the boundary after). Another thread's pair
-    waits for that thread's next safe point: its next scope, backward or grad call,
-    or torch.func call (I6 sweeps first).
+I7. [ inside backward, the engine's stack ] Inside a backward pass (a checkpoint's
+    recomputation, a custom backward) a thread's stack is the engine's copy, which the
+    engine drops when the node ends: a pair pushed there needs no sweep, and the thread
+    counts as having our pair (I5 [ patches live with our pairs ]) until the pass ends,
+    when an engine callback queued at its first push in that pass releases it (in
+    whichever thread ends the pass; also when the pass raises: then the callback is
+    dropped unrun, and releases as it dies). Without it, a scope whose blocks run only
+    inside passes would leave the patches installed: no sweep outside a pass follows.
+I8. [ the main thread's pair, removed later ] When the last tensor of the main thread's
+    blocks dies in another thread (a worker ran backward), the main thread removes its
+    pair at its next bytecode boundary (a pending call, ``_base.main_thread``), unless
+    it is then inside a backward pass (the wrapper of
+    I4 [ stacks edited at safe points only ] sweeps when it returns) or in code that
+    edits the stack or enters a scope (then at the boundary after). Another thread's
+    pair waits for that thread's next safe point: its next scope, backward or grad call,
+    or torch.func call (I6 [ hooks disabled: the refusal ] sweeps first).
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ _serials = itertools.count(1)
 
 
 def next_serial() -> int:
-    """The serial of a block or region about to start (entry order, I1, I2)."""
+    """The serial of a block or region about to start (entry order,
+    I1 [ one pair of ours while needed ], I2 [ the pair below gets the rest ])."""
     return next(_serials)
 
 
@@ -100,12 +104,13 @@ class _Thread:
     def __init__(self) -> None:
         self.ident = threading.get_ident()
         self.outside = False  # our pair may be on this thread's own stack
-        self.passes: set[int] = set()  # backward passes that pushed our pair here (I7)
-        self.busy = 0  # > 0: inside our pack/unpack (I4)
+        # backward passes that pushed our pair here (I7 [ inside backward, the engine's stack ])
+        self.passes: set[int] = set()
+        self.busy = 0  # > 0: inside our pack/unpack (I4 [ stacks edited at safe points only ])
 
     @property
     def installed(self) -> bool:
-        """Whether this thread counts as having our pair (I5)."""
+        """Whether this thread counts as having our pair (I5 [ patches live with our pairs ])."""
         return self.outside or bool(self.passes)
 
 
@@ -120,7 +125,8 @@ def _thread() -> _Thread:
 
 
 class _Pack:
-    """Our pack hook; one per push. ``below`` is the pair under it (I2)."""
+    """Our pack hook; one per push. ``below`` is the pair under it
+    (I2 [ the pair below gets the rest ])."""
 
     __slots__ = ("below", "serial")
 
@@ -141,7 +147,9 @@ def _unpack(packed: Any) -> torch.Tensor:
     if type(packed) is _pack.Stored:  # most unpacks: a tensor stored as autograd stores it
         t = packed.t
         if t._version == packed.version:
-            return t  # I4 holds: this path allocates nothing a garbage collection could follow
+            # I4 [ stacks edited at safe points only ] holds: this path allocates nothing a garbage
+            # collection could follow
+            return t
     st = _thread()
     st.busy += 1
     try:
@@ -180,7 +188,8 @@ def _restore_stack(pairs: list[HookPair]) -> None:
             push_saved_hooks(*pair)
 
 
-# ---------------------------------------------------------------- patches (I3, I5, I6)
+# ---------------------------------------------------------------- patches
+# (I3 [ the pop patch ], I5 [ patches live with our pairs ], I6 [ hooks disabled: the refusal ])
 
 _patch_lock = threading.Lock()
 _threads_installed = 0  # threads with our pair; the patches act while > 0
@@ -198,7 +207,8 @@ def _popping(inner: Callable[[], None]) -> Callable[[], None]:
 
 
 def _pop_from_under_ours() -> None:
-    # I3: the context now exiting is the innermost other one: take it from under ours.
+    # I3 [ the pop patch ]: the context now exiting is the innermost other one: take it from
+    # under ours.
     pairs = _take_stack()
     for i in range(len(pairs) - 1, -1, -1):
         if not _is_ours(pairs[i]):
@@ -220,14 +230,14 @@ TORCH_FUNC_HINT = (
 def _explaining_refusal(inner: Callable[[str], None]) -> Callable[[str], None]:
     @functools.wraps(inner)
     def disable(message: str) -> None:
-        sweep()  # a pair that nothing needs any more (I8) leaves first
+        sweep()  # a pair that nothing needs any more (I8 [ the main thread's pair, removed later ]) leaves first
         try:
             inner(message)
         except RuntimeError as e:
             st: _Thread | None = getattr(_tls, "st", None)
             if _threads_installed == 0 or st is None or not st.installed:
                 raise
-            raise RuntimeError(f"{e}\n{TORCH_FUNC_HINT}") from None  # I6
+            raise RuntimeError(f"{e}\n{TORCH_FUNC_HINT}") from None  # I6 [ hooks disabled: the refusal ]
 
     return disable
 
@@ -239,13 +249,14 @@ def _sweeping(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             if _threads_installed:
-                sweep()  # I4
+                sweep()  # I4 [ stacks edited at safe points only ]
 
     return wrapper
 
 
 class _Patch:
-    """One attribute we replace while any thread has our pair (I5)."""
+    """One attribute we replace while any thread has our pair
+    (I5 [ patches live with our pairs ])."""
 
     def __init__(self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         self.owner, self.name, self.make = owner, name, make
@@ -289,12 +300,14 @@ _PATCHES = (
 )
 
 
-# ---------------------------------------------------------------- lifetime (I1, I4)
+# ---------------------------------------------------------------- lifetime
+# (I1 [ one pair of ours while needed ], I4 [ stacks edited at safe points only ])
 
 
 def _hold(st: _Thread, task: int) -> None:
     """``st``'s thread has our pair outside any backward pass (``task`` -1) or in
-    backward pass ``task``; the patches are in place while some thread has it (I5)."""
+    backward pass ``task``; the patches are in place while some thread has it
+    (I5 [ patches live with our pairs ])."""
     global _threads_installed
     with _patch_lock:
         if not st.installed:
@@ -309,7 +322,8 @@ def _hold(st: _Thread, task: int) -> None:
 
 
 def _release(st: _Thread, task: int) -> None:
-    """The opposite of ``_hold(st, task)``; may run in another thread than ``st``'s (I7)."""
+    """The opposite of ``_hold(st, task)``; may run in another thread than ``st``'s
+    (I7 [ inside backward, the engine's stack ])."""
     global _threads_installed
     with _patch_lock:
         was = st.installed
@@ -325,9 +339,9 @@ def _release(st: _Thread, task: int) -> None:
 
 
 class _PassEnd:
-    """Releases a thread's hold for backward pass ``task`` (I7): called by the engine
-    when the pass ends, and dropped with the pass, also when the pass raises (the
-    engine then skips its callbacks)."""
+    """Releases a thread's hold for backward pass ``task``
+    (I7 [ inside backward, the engine's stack ]): called by the engine when the pass ends, and
+    dropped with the pass, also when the pass raises (the engine then skips its callbacks)."""
 
     __slots__ = ("st", "task")
 
@@ -382,7 +396,8 @@ def _needed() -> bool:
 
 
 def sweep() -> None:
-    """Remove this thread's pair if nothing needs it any more and it is safe (I1, I4)."""
+    """Remove this thread's pair if nothing needs it any more and it is safe
+    (I1 [ one pair of ours while needed ], I4 [ stacks edited at safe points only ])."""
     st: _Thread | None = getattr(_tls, "st", None)
     if st is None or not st.outside or st.busy or current_graph_task() != -1 or _needed():
         return
@@ -392,19 +407,22 @@ def sweep() -> None:
 
 _MAIN = threading.main_thread().ident
 # Files whose code edits the stack, or runs between a push of our pair and the opening
-# of its block (a scope's entry): I8 waits until the main thread is out of them.
+# of its block (a scope's entry): I8 [ the main thread's pair, removed later ] waits until the
+# main thread is out of them.
 _unsafe_files = {__file__}
 
 
 def add_unsafe_file(path: str) -> None:
-    """Tell I8 that code in ``path`` may run between a push of our pair and the opening
-    of its block (a scope's entry)."""
+    """Tell I8 [ the main thread's pair, removed later ] that code in ``path`` may run between a
+    push of our pair and the opening of its block (a scope's entry)."""
     _unsafe_files.add(path)
 
 
 def _on_empty(lg: _registry.Ledger) -> None:
-    # Called where the last tensor died: any thread, any point (I4). Died in another
-    # thread than the ledger's: the main thread sweeps at its next bytecode boundary (I8).
+    # Called where the last tensor died: any thread, any point
+    # (I4 [ stacks edited at safe points only ]). Died in another thread than the ledger's: the
+    # main thread sweeps at its next bytecode boundary
+    # (I8 [ the main thread's pair, removed later ]).
     if lg.ident == threading.get_ident():
         sweep()
     elif lg.ident == _MAIN:
@@ -412,7 +430,8 @@ def _on_empty(lg: _registry.Ledger) -> None:
 
 
 def _sweep_main() -> None:
-    """I8: in the main thread, between two of its bytecodes."""
+    """I8 [ the main thread's pair, removed later ]: in the main thread, between two of its
+    bytecodes."""
     st: _Thread | None = getattr(_tls, "st", None)
     if st is None or not st.outside or current_graph_task() != -1 or _needed():
         return  # nothing to do, or later: a backward's end sweeps, a block's last tensor calls again

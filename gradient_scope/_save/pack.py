@@ -2,46 +2,52 @@
 
 RULES S1..S6: what a save becomes.
 
-S1. A block tensor, or a view of one, saved while our pair applies to its
-    block, becomes a :class:`~gradient_scope._restore.handles.Handle` -- unless it must
-    be stored: its block's record is released (P7), another member of its
-    storage group may be written unseen (P8), or it changed in a way the block
-    did not record (its data swapped, or a write after the block).
-S2. Anything else goes to the pair below ours, exactly as without the scope (its
-    pack is not recorded: it is not the block's computation).
-    With no pair below it is stored as autograd stores it: the tensor itself
-    (``saved is t`` when it does not require grad, as without hooks; a later
-    ``.data = ...`` is seen), but an output of the node that saves it, or what
-    may be one, as a detached alias (holding it would make a reference cycle
-    through the graph that the garbage collector cannot free). Its version is
-    checked at unpack: hooks switch PyTorch's own in-place check off.
-S3. Packing never reads the data of the tensor it packs: some kernels save an
-    argument before they write it.
-S4. A block tensor that could be a handle (S1) and that its frame's ``store``
-    decision (a memory budget's plan) picks is stored exactly as in S2 (the pair
-    below ours gets it, where there is one), and served as its handle would be:
-    the tensor itself where autograd would keep it and its data was swapped
-    (``.data = ...``), PyTorch's in-place error where the tensor itself was written,
-    a replay of the value as saved where the stored copy was written after the save
-    and the tensor is gone (``_restore.handles`` P9). A plan changes what is kept,
-    never what a program computes or raises. Its replay state is told, so that
-    replays of other values read it instead of recomputing it (P9). A decision to
-    offload is a callable that makes the packed object (the budget's offload
-    engine, which checks versions as a handle does); it applies when no pair is
-    below ours, or only a transparent one (a report, which counts and hands on), and
-    the value is stored as above when the callable declines. Listeners hear of what
-    is offloaded as of handles. With ``debug=True`` the plan is not followed: every
-    value is a checked handle (``check`` keeps the saved tensor, so memory is what
-    storing it would hold).
-S5. While a thread runs a block in its steady state (``_adapters.steady``: the
-    block's ops run without the recorder), the saves of that run go to the run's
-    sequencer, which knows from the block's template what the n-th save is; it
-    decides S1..S4 for the block's own tensors (S4 by :func:`store_chosen`) and
-    hands every other save back to :func:`pack_as_usual`.
-S6. A tensor that is not a block's, saved while a model region of this thread is
-    open (a model-level budget's forward), is shown to the region's innermost
-    observer, which counts it and may offload it under the same condition as S4;
-    otherwise S2.
+S1. [ block tensors become handles ] A block tensor, or a view of one, saved while our
+    pair applies to its block, becomes a
+    :class:`~gradient_scope._restore.handles.Handle` -- unless it must be stored: its
+    block's record is released (P7 [ the record lives with its handles ]), another
+    member of its storage group may be written unseen
+    (P8 [ groups of separate counters ]), or it changed in a way the block did not
+    record (its data swapped, or a write after the block).
+S2. [ anything else as without the scope ] Anything else goes to the pair below ours,
+    exactly as without the scope (its pack is not recorded: it is not the block's
+    computation). With no pair below it is stored as autograd stores it: the tensor
+    itself (``saved is t`` when it does not require grad, as without hooks; a later
+    ``.data = ...`` is seen), but an output of the node that saves it, or what may be
+    one, as a detached alias (holding it would make a reference cycle through the graph
+    that the garbage collector cannot free). Its version is checked at unpack: hooks
+    switch PyTorch's own in-place check off.
+S3. [ packing reads no data ] Packing never reads the data of the tensor it packs: some
+    kernels save an argument before they write it.
+S4. [ a budget's choice is stored ] A block tensor that could be a handle
+    (S1 [ block tensors become handles ]) and that its frame's ``store`` decision (a
+    memory budget's plan) picks is stored exactly as in
+    S2 [ anything else as without the scope ] (the pair below ours gets it, where there
+    is one), and served as its handle would be: the tensor itself where autograd would
+    keep it and its data was swapped (``.data = ...``), PyTorch's in-place error where
+    the tensor itself was written, a replay of the value as saved where the stored copy
+    was written after the save and the tensor is gone (``_restore.handles``
+    P9 [ stored values serve replays ]). A plan changes what is kept, never what a
+    program computes or raises. Its replay state is told, so that replays of other
+    values read it instead of recomputing it (P9 [ stored values serve replays ]). A
+    decision to offload is a callable that makes the packed object (the budget's offload
+    engine, which checks versions as a handle does); it applies when no pair is below
+    ours, or only a transparent one (a report, which counts and hands on), and the value
+    is stored as above when the callable declines. Listeners hear of what is offloaded
+    as of handles. With ``debug=True`` the plan is not followed: every value is a
+    checked handle (``check`` keeps the saved tensor, so memory is what storing it would
+    hold).
+S5. [ a steady run's saves go to its sequencer ] While a thread runs a block in its
+    steady state (``_adapters.steady``: the block's ops run without the recorder), the
+    saves of that run go to the run's sequencer, which knows from the block's template
+    what the n-th save is; it decides S1..S4 for the block's own tensors
+    (S4 [ a budget's choice is stored ] by :func:`store_chosen`) and hands every other
+    save back to :func:`pack_as_usual`.
+S6. [ a region's saves go to its observer ] A tensor that is not a block's, saved while
+    a model region of this thread is open (a model-level budget's forward), is shown to
+    the region's innermost observer, which counts it and may offload it under the same
+    condition as S4 [ a budget's choice is stored ]; otherwise
+    S2 [ anything else as without the scope ].
 """
 
 from __future__ import annotations
@@ -103,8 +109,9 @@ _store_listeners: list[Callable[[Tensor, Any], None]] = []
 
 
 def add_store_listener(fn: Callable[[Tensor, Any], None]) -> Callable[[], None]:
-    """Call ``fn(tensor, owner)`` each time a budget's plan stores a block tensor (S4):
-    ``owner`` is its block's replay state. Returns a function that removes it."""
+    """Call ``fn(tensor, owner)`` each time a budget's plan stores a block tensor
+    (S4 [ a budget's choice is stored ]): ``owner`` is its block's replay state. Returns a
+    function that removes it."""
     _store_listeners.append(fn)
 
     def remove() -> None:
@@ -121,7 +128,7 @@ def notify_listeners(t: Tensor, h: Any) -> None:
 
 
 class Sequencer(Protocol):
-    """The saves of a steady-state run (S5)."""
+    """The saves of a steady-state run (S5 [ a steady run's saves go to its sequencer ])."""
 
     def pack(self, below: HookPair | None, serial: int, t: Tensor) -> Any:
         """What ``t``, the next save of the run, becomes."""
@@ -131,7 +138,8 @@ _tls = threading.local()
 
 
 class sequencing:
-    """While active, this thread's saves go to ``seq`` (S5); restores what was there."""
+    """While active, this thread's saves go to ``seq``
+    (S5 [ a steady run's saves go to its sequencer ]); restores what was there."""
 
     __slots__ = ("seq", "prior")
 
@@ -146,13 +154,15 @@ class sequencing:
         _tls.seq = self.prior
 
 
-_regions = threading.local()  # .stack: this thread's open regions' observers (S6)
+# .stack: this thread's open regions' observers (S6 [ a region's saves go to its observer ])
+_regions = threading.local()
 
 
 def open_region(observer: Callable[[Tensor, bool], Any]) -> None:
     """A model region opens in this thread: ``observer(t, may_take)`` sees each tensor
     that is not a block's saved from now on until :func:`close_region`, and returns
-    what it packs it into (it offloads it; only when ``may_take``) or None (S6)."""
+    what it packs it into (it offloads it; only when ``may_take``) or None
+    (S6 [ a region's saves go to its observer ])."""
     stack = getattr(_regions, "stack", None)
     if stack is None:
         stack = _regions.stack = []
@@ -169,12 +179,14 @@ def close_region(observer: Callable[[Tensor, bool], Any]) -> None:
 
 
 def regions_open() -> bool:
-    """Whether this thread has an open model region (our pair stays on its stack, I1)."""
+    """Whether this thread has an open model region (our pair stays on its stack,
+    I1 [ one pair of ours while needed ])."""
     return bool(getattr(_regions, "stack", None))
 
 
 def _may_take(below: HookPair | None) -> bool:
-    """S4, S6: a budget may offload only with no pair below ours, or a transparent one."""
+    """S4 [ a budget's choice is stored ], S6 [ a region's saves go to its observer ]: a budget
+    may offload only with no pair below ours, or a transparent one."""
     return below is None or bool(getattr(below[0], "transparent", False))
 
 
@@ -198,7 +210,8 @@ def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
     """What the registry says of ``t``, being saved: its entry (a block's Var), or that of
     its base with ``t``'s view of it; and whether a block made ``t`` or its base (a view
     that cannot be rebuilt has no entry, but was made by a block). The first question of
-    every save, in both of a block's ways to run (S1, S5)."""
+    every save, in both of a block's ways to run (S1 [ block tensors become handles ],
+    S5 [ a steady run's saves go to its sequencer ])."""
     entry = lookup(t)
     if entry is not None:
         return entry, None, True
@@ -216,9 +229,9 @@ def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
 
 def replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
     """``t``'s Var if a replay rebuilds ``t`` (a block tensor, or ``view`` of one) as
-    autograd saves it now, else None: it must be stored (S1). The one classifier of a
-    block tensor's save: a recorded run's pack asks it per save, a template's first run
-    per save of the template (``_save.sequencer``)."""
+    autograd saves it now, else None: it must be stored (S1 [ block tensors become handles ]).
+    The one classifier of a block tensor's save: a recorded run's pack asks it per save, a
+    template's first run per save of the template (``_save.sequencer``)."""
     var: Var = entry  # type: ignore[assignment]  # only Vars are registered
     root = var.root
     if isinstance(root, Input):
@@ -228,9 +241,9 @@ def replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
         internal_error("a registered block tensor has no replay state")
     record = owner.record
     if record is None:
-        return None  # released (P7): the block cannot be replayed any more
+        return None  # released (P7 [ the record lives with its handles ]): the block cannot be replayed any more
     if root in record.escaped:
-        return None  # another member may be written after the block unseen (P8)
+        return None  # another member may be written after the block unseen (P8 [ groups of separate counters ])
     base = t if view is None else t._base
     if base is not None and moved(var, base):
         return None  # its data was swapped after the block (`.data = ...`)
@@ -241,7 +254,8 @@ def replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
 
 
 def _handle(var: Var, t: Tensor, view: ViewSpec | None) -> Any:
-    """S1: a handle for ``t``, ``var``'s tensor or ``view`` of it."""
+    """S1 [ block tensors become handles ]: a handle for ``t``, ``var``'s tensor or ``view`` of
+    it."""
     owner = var.frame.owner
     new_output = may_be_new_output(t)
     # debug=True compares the value at unpack with what autograd itself would hand back.
@@ -254,8 +268,9 @@ def _handle(var: Var, t: Tensor, view: ViewSpec | None) -> Any:
 def new_handle(
     owner: Any, stats: Any, var: Var, t: Tensor, version: int, view: ViewSpec | None, check: Any, itself: bool
 ) -> Any:
-    """S1: the handle ``owner`` (the block's replay state) makes for ``t`` (``var``'s tensor
-    or ``view`` of it), counted in ``stats`` and told to the pack listeners."""
+    """S1 [ block tensors become handles ]: the handle ``owner`` (the block's replay state)
+    makes for ``t`` (``var``'s tensor or ``view`` of it), counted in ``stats`` and told to the
+    pack listeners."""
     h = owner.new_handle(var, version, view, check, itself)
     stats.tensors_packed += 1
     stats.bytes_packed += t.numel() * t.element_size()
@@ -273,10 +288,12 @@ def store_chosen(
     below: HookPair | None,
     version: int | None = None,
 ) -> Any:
-    """S4: ``t`` (``var``'s tensor or ``view`` of it) as its frame's ``store`` ``decision``
-    chose: offloaded, or stored as S2 stores it. ``owner``, its block's replay state,
-    lives while it does and reads a stored value instead of recomputing it (P9).
-    ``version``: what a replay of it is checked against (P2; default ``t``'s)."""
+    """S4 [ a budget's choice is stored ]: ``t`` (``var``'s tensor or ``view`` of it) as its
+    frame's ``store`` ``decision`` chose: offloaded, or stored as
+    S2 [ anything else as without the scope ] stores it. ``owner``, its block's replay state,
+    lives while it does and reads a stored value instead of recomputing it
+    (P9 [ stored values serve replays ]). ``version``: what a replay of it is checked against
+    (P2 [ a handle is its tensor as saved ]; default ``t``'s)."""
     if decision is not True and _may_take(below):
         packed = decision(var, t)
         if packed is not None:
@@ -293,23 +310,25 @@ def store_chosen(
 
 
 def store_as_usual(below: HookPair | None, t: Tensor, made_by_block: bool) -> Any:
-    """S2: ``t`` to the pair below ours, or stored as autograd stores it."""
+    """S2 [ anything else as without the scope ]: ``t`` to the pair below ours, or stored as
+    autograd stores it."""
     if below is not None:
         return _below(below, t)
     return Stored(t, made_by_block)
 
 
 def _below(below: HookPair, t: Tensor) -> Foreign:
-    """What the pair below ours makes of ``t`` (S2). Its pack runs unrecorded: what it
-    computes (a copy to the host, a detach) is not the block's computation, and a
-    tensor it made would count as a live block tensor."""
+    """What the pair below ours makes of ``t`` (S2 [ anything else as without the scope ]). Its
+    pack runs unrecorded: what it computes (a copy to the host, a detach) is not the block's
+    computation, and a tensor it made would count as a live block tensor."""
     with _recorder.paused():
         packed = below[0](t)
     return Foreign(below[1], packed)
 
 
 class Stored:
-    """A tensor kept as autograd would keep it, with its version (S2)."""
+    """A tensor kept as autograd would keep it, with its version
+    (S2 [ anything else as without the scope ])."""
 
     __slots__ = ("t", "version")
 
@@ -317,7 +336,8 @@ class Stored:
         self.version = t._version
         # A block tensor (or a view of one) that requires grad is never kept itself:
         # its liveness is what tells the block which of its tensors are still in
-        # memory (P3, P8). ``alias``: not even one that does not (S4).
+        # memory (P3 [ values in memory are used ], P8 [ groups of separate counters ]).
+        # ``alias``: not even one that does not (S4 [ a budget's choice is stored ]).
         if not alias and (not t.requires_grad or not (made_by_block or may_be_new_output(t))):
             self.t = t
         elif type(t) is Tensor or type(t) is torch.nn.Parameter:
@@ -335,9 +355,10 @@ class Stored:
 
 
 class Kept:
-    """A block tensor a budget's plan stores (S4): ``inner`` keeps it as S2 would (a
-    :class:`Stored`, or a :class:`Foreign` made by the pair below ours), and it is served
-    as its handle would be. ``owner``: its block's replay state."""
+    """A block tensor a budget's plan stores (S4 [ a budget's choice is stored ]): ``inner``
+    keeps it as S2 [ anything else as without the scope ] would (a :class:`Stored`, or a
+    :class:`Foreign` made by the pair below ours), and it is served as its handle would be.
+    ``owner``: its block's replay state."""
 
     __slots__ = ("inner", "alias", "owner", "var", "version", "replay_version", "view", "itself", "__weakref__")
 
@@ -345,7 +366,8 @@ class Kept:
         self, inner: Stored | Foreign, owner: Any, var: Var, t: Tensor, view: ViewSpec | None, replay_version: int
     ) -> None:
         self.inner = inner
-        self.alias = inner.t if type(inner) is Stored else None  # P9: what replays may read
+        # P9 [ stored values serve replays ]: what replays may read
+        self.alias = inner.t if type(inner) is Stored else None
         self.owner = owner
         self.var = var
         self.version = t._version
@@ -356,7 +378,7 @@ class Kept:
     def unpack(self) -> Tensor:
         var, owner = self.var, self.owner
         t: Tensor | None = var()
-        if t is not None and t._version != self.version:  # as a handle does (P3)
+        if t is not None and t._version != self.version:  # as a handle does (P3 [ values in memory are used ])
             raise inplace_error(f"{t.type()} {list(t.shape)}", self.version, t._version)
         owner.touched()
         if t is not None and self.itself and moved(var, t):
@@ -365,7 +387,8 @@ class Kept:
         alias = self.alias
         if alias is not None and alias._version != self.version:
             # Written by a consumer of this backward pass, or nothing left to replay it
-            # from (its block kept every value and was released, P9): as without hooks.
+            # from (its block kept every value and was released,
+            # P9 [ stored values serve replays ]): as without hooks.
             if owner.handed_out(var) or owner.record is None:
                 raise inplace_error(var.describe(), self.version, alias._version)
             value: Tensor = owner.replay_saved(var, self.replay_version, self.view)
@@ -392,7 +415,7 @@ def pack(below: HookPair | None, serial: int, t: Tensor) -> Any:
     """Pack ``t`` for our pair: ``below`` is the pair under it; with one, only
     tensors of blocks with serial >= ``serial`` are ours (innermost wins)."""
     seq = getattr(_tls, "seq", None)
-    if seq is not None:  # S5
+    if seq is not None:  # S5 [ a steady run's saves go to its sequencer ]
         return seq.pack(below, serial, t)
     return pack_as_usual(below, serial, t)
 
@@ -403,15 +426,16 @@ def pack_as_usual(below: HookPair | None, serial: int, t: Tensor) -> Any:
     if entry is not None and (below is None or entry.frame.serial >= serial):
         _recorder.settle()
         frame = entry.frame
-        store = frame.store(entry, t) if frame.store is not None else False  # asked for every save (M3)
+        # asked for every save (M3 [ a plan follows its structure ])
+        store = frame.store(entry, t) if frame.store is not None else False
         var = replayable(entry, t, view)
         if var is not None:
             if store and not frame.debug:
-                return store_chosen(store, frame.owner, var, t, view, below)  # S4
-            return _handle(var, t, view)  # S1
+                return store_chosen(store, frame.owner, var, t, view, below)  # S4 [ a budget's choice is stored ]
+            return _handle(var, t, view)  # S1 [ block tensors become handles ]
     stack = getattr(_regions, "stack", None)
     if stack and entry is None:
-        packed = stack[-1](t, _may_take(below))  # S6
+        packed = stack[-1](t, _may_take(below))  # S6 [ a region's saves go to its observer ]
         if packed is not None:
             if _listeners:
                 notify_listeners(t, packed)

@@ -1,13 +1,14 @@
 """The saves of a steady-state block's runs: logged in its template's first run, sequenced after.
 
 A block run in its steady state (``_adapters.steady``) has no recorder to ask what a
-save is: its saves go to the thread's sequencer instead (``_save.pack`` S5). The
-first run of a graph is recorded, and :class:`Logger` classifies each of its saves as
-it happens, with the classifier of a recorded save (:func:`classify`, built on
-``_save.pack.find`` and ``replayable``: T2 of ``_record.template``). A later run's
-:class:`Sequencer` takes its n-th save to be the template's n-th, checks it (D3 of
-``_adapters.steady``), and decides S1..S4 for it from the template, binding the run's
-own Vars as they are needed (``_record.bind``).
+save is: its saves go to the thread's sequencer instead (``_save.pack``
+S5 [ a steady run's saves go to its sequencer ]). The first run of a graph is recorded, and
+:class:`Logger` classifies each of its saves as it happens, with the classifier of a recorded
+save (:func:`classify`, built on ``_save.pack.find`` and ``replayable``:
+T2 [ saves are classified as they happen ] of ``_record.template``). A later run's
+:class:`Sequencer` takes its n-th save to be the template's n-th, checks it
+(D3 [ saves checked against the template ] of ``_adapters.steady``), and decides S1..S4 for it
+from the template, binding the run's own Vars as they are needed (``_record.bind``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ Tensor = torch.Tensor
 
 
 def classify(t: Tensor, owner: Any) -> tuple[Save, Var | None]:
-    """T2 for ``t``, saved in a recorded run whose block's replay state is ``owner``: its
-    kind (a handle or a budget's choice, stored whatever the plan, or not the block's)
-    as the pack hook decides it (``_save.pack.replayable``), with its Var."""
+    """T2 [ saves are classified as they happen ] for ``t``, saved in a recorded run whose
+    block's replay state is ``owner``: its kind (a handle or a budget's choice, stored whatever
+    the plan, or not the block's) as the pack hook decides it (``_save.pack.replayable``), with
+    its Var."""
     e, view, _ = find(t)
     if e is None or e.frame.owner is not owner:
         return Save(OTHER, None, None, False, -1, t.shape, t.dtype), None
@@ -45,7 +47,8 @@ def classify(t: Tensor, owner: Any) -> tuple[Save, Var | None]:
 
 
 class Logger:
-    """The sequencer of a template's first run: every save as usual, and logged (T2)."""
+    """The sequencer of a template's first run: every save as usual, and logged
+    (T2 [ saves are classified as they happen ])."""
 
     __slots__ = ("block", "log")
 
@@ -53,7 +56,7 @@ class Logger:
         self.block, self.log = block, log
 
     def pack(self, below: HookPair | None, serial: int, t: Tensor) -> Any:
-        _recorder.settle()  # R6: versions of the last op's writes
+        _recorder.settle()  # R6 [ versions are read after the op ]: versions of the last op's writes
         log = self.log
         log.seen.append(len(self.block.record.ops))
         save, var = classify(t, self.block.owner)
@@ -64,7 +67,9 @@ class Logger:
 
 
 class Sequencer:
-    """The saves of one steady run (S5, D3, D4): the n-th is the template's n-th."""
+    """The saves of one steady run (S5 [ a steady run's saves go to its sequencer ],
+    D3 [ saves checked against the template ], D4 [ a steady run's record is bound ]): the n-th
+    is the template's n-th."""
 
     __slots__ = ("tpl", "frame", "state", "bound", "n", "states", "diverged")
 
@@ -91,21 +96,25 @@ class Sequencer:
         kind, frame = p.kind, self.frame
         if kind == BLOCK:  # most saves: one frame less per save than a helper would cost
             var: Var = p.var  # type: ignore[assignment]
-            version = p.version  # in the template's count, as its writes are (P2)
+            version = p.version  # in the template's count, as its writes are (P2 [ a handle is its tensor as saved ])
             if id(var) in self.tpl.output_ids:
                 var = self.bound.own(var, t if p.view is None or t._base is None else t._base)
-                if not var.root.writes:  # D4: an output's own count (``_record.bind.Binding.own``)
+                # D4 [ a steady run's record is bound ]: an output's own count
+                # (``_record.bind.Binding.own``)
+                if not var.root.writes:
                     version = t._version
             decision = frame.store(var, t) if frame.store is not None else False
-            if decision:  # S4: kept or offloaded, as a recorded block's
+            if decision:  # S4 [ a budget's choice is stored ]: kept or offloaded, as a recorded block's
                 out = store_chosen(decision, self.state, var, t, p.view, below, version)
-            else:  # S1
+            else:  # S1 [ block tensors become handles ]
                 out = new_handle(self.state, frame.stats, var, t, version, p.view, None, p.itself)
         elif kind == OTHER:
             out = pack_as_usual(below, serial, t)
         else:  # KEEP
             if frame.store is not None and p.var is not None:
-                frame.store(p.var, t)  # asked for every save, as in a recorded run (M3): it measures
+                # asked for every save, as in a recorded run (M3 [ a plan follows its structure ]):
+                # it measures
+                frame.store(p.var, t)
             out = store_as_usual(below, t, True)
         gens = self.tpl.observe.get(n + 1)
         if gens:
@@ -114,7 +123,8 @@ class Sequencer:
 
     def finish(self, out: Any, captured: list[Tensor]) -> None:
         """After the graph returned ``out``: the outside tensors the block made itself
-        (T6, ``captured``), every save seen, outputs and random states bound (D4)."""
+        (T6 [ kept ops' outputs taken from the graph ], ``captured``), every save seen, outputs
+        and random states bound (D4 [ a steady run's record is bound ])."""
         tpl, bound = self.tpl, self.bound
         if tpl.capture:
             bound.captured(captured)

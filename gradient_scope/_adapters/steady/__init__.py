@@ -12,5 +12,36 @@ second source lives with the first: the template and the binding in ``_record``
   the first time, bound from the template after (RULES D1..D6: when a block runs in
   its steady state).
 - ``capture`` -- the outside tensors a block makes itself (outputs of ops ``save=``
-  keeps), found once among the graph's node values and taken from them (T6).
+  keeps), found once among the graph's node values and taken from them
+  (T6 [ kept ops' outputs taken from the graph ]).
+
+How the steady state mirrors each record-time rule (``_record.entry``): a steady run's
+record must be what recording the run would have made, so each rule is either held by
+a steady rule or cannot arise in a steady run (checked: ``tests/test_rule_citations.py``).
+
+- R1 [ a written input is copied ] -- T1 [ one plain block ]: no outside tensor of a
+  template is written; a run that writes one has no template and is always recorded.
+- R2 [ kept ops are not recorded ] -- T6 [ kept ops' outputs taken from the graph ]: their
+  outputs are outside tensors, taken from the graph's values; D1 [ which calls run steady ]:
+  no context policy.
+- R3 [ backward's ops are not the block's ] -- D1 [ which calls run steady ]: a steady call
+  is entered outside backward; T4 [ no nested scope or higher-order op ]: no checkpointed
+  region inside.
+- R4 [ dtype=None as resolved ] -- does not apply: no factory runs under the recorder in a
+  steady run; its ops are the template's, recorded with the dtype forward resolved, and
+  dynamo's guards hold the global state (the default dtype) they were resolved under.
+- R5 [ another block's live tensor is noted ] -- D4 [ a steady run's record is bound ]: each
+  run's Inputs note another block's live tensor (``_record.bind.input_of``).
+- R6 [ versions are read after the op ] -- D3 [ saves checked against the template ]: a
+  steady run's handles carry the template's versions, read after each op of its recorded
+  run (its sequencer settles the recorder before each save).
+- R7 [ compiled code is not recorded ] -- D6 [ the graph must run the eager ops ]: the
+  captured graph runs every op eagerly (dynamo traces into a function the user compiled),
+  and is admitted only where an eager run, recorded as usual, had its structure.
+- R8 [ jagged nested tensors are not recorded ] -- T1 [ one plain block ]: a record with one
+  has no template.
+- R9 [ each op's numeric context ] -- T5 [ one numeric context ]: a template is used only
+  under the numeric context it was recorded in (T1 [ one plain block ]: one context).
+- R10 [ an unseen write makes an Input ] -- T1 [ one plain block ]: a record with such a
+  write has no template.
 """

@@ -1,9 +1,9 @@
-"""T6: the outside tensors a block makes itself (outputs of ops ``save=`` keeps), taken
-from the captured graph's values.
+"""T6 [ kept ops' outputs taken from the graph ]: the outside tensors a block makes itself
+(outputs of ops ``save=`` keeps), taken from the captured graph's values.
 
-An op that a ``save=`` policy keeps is not recorded (R2): its output is an ordinary
-tensor, which the record reads as an outside tensor. A steady run does not record, so
-it must take that tensor from somewhere else: from the value of the graph node that
+An op that a ``save=`` policy keeps is not recorded (R2 [ kept ops are not recorded ]): its
+output is an ordinary tensor, which the record reads as an outside tensor. A steady run does not
+record, so it must take that tensor from somewhere else: from the value of the graph node that
 holds its storage (the kept op's output itself, a view of it as ``F.linear`` returns on
 3-D input, or the ``_unsafe_view`` that ``matmul`` returns). :class:`NodeValues` runs a
 graph node by node once, remembering where each value's storage is;

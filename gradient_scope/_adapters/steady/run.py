@@ -17,47 +17,51 @@ take the recorder off the dispatch stack and bind their record from the template
 
 RULES D1..D6: when a block runs in its steady state.
 
-D1. Only a function-form scope, entered outside any open block and outside
-    backward, with grad mode on, ``debug=False``, a ``save=`` that is not a context
-    policy (it reads the running module and region of each op call, which a captured
-    graph does not have), and no TorchDispatchMode, TorchFunctionMode or global
-    module hook active, and only while
-    ``GRADIENT_SCOPE_FAST`` allows it: ``1`` always, ``0`` never, unset when an
-    argument of the function is a CUDA tensor (where host time is the bottleneck;
-    on CPU the first call's compile costs more than it saves).
-D2. A call that dynamo cannot capture whole runs recorded, as any block: nothing
-    of it ran before dynamo gave up. A function that failed twice (a graph break),
-    that dynamo runs without our graph, or whose graph holds a nested scope (T4)
-    is recorded from then on, for the life of the process (logged: logger
-    ``gradient_scope``, DEBUG); past dynamo's recompile limit, calls whose graph
-    dynamo has keep their steady state and the others are recorded.
-D3. The saves of a steady run go to its sequencer (``_save.pack`` S5,
-    ``_save.sequencer``), which takes
-    the n-th save to be the template's n-th (T2) and checks its shape and dtype: a
+D1. [ which calls run steady ] Only a function-form scope, entered outside any open
+    block and outside backward, with grad mode on, ``debug=False``, a ``save=`` that is
+    not a context policy (it reads the running module and region of each op call, which
+    a captured graph does not have), and no TorchDispatchMode, TorchFunctionMode or
+    global module hook active, and only while ``GRADIENT_SCOPE_FAST`` allows it: ``1``
+    always, ``0`` never, unset when an argument of the function is a CUDA tensor (where
+    host time is the bottleneck; on CPU the first call's compile costs more than it
+    saves).
+D2. [ what dynamo cannot capture is recorded ] A call that dynamo cannot capture whole
+    runs recorded, as any block: nothing of it ran before dynamo gave up. A function
+    that failed twice (a graph break), that dynamo runs without our graph, or whose
+    graph holds a nested scope (T4 [ no nested scope or higher-order op ]) is recorded
+    from then on, for the life of the process (logged: logger ``gradient_scope``,
+    DEBUG); past dynamo's recompile limit, calls whose graph dynamo has keep their
+    steady state and the others are recorded.
+D3. [ saves checked against the template ] The saves of a steady run go to its sequencer
+    (``_save.pack`` S5 [ a steady run's saves go to its sequencer ],
+    ``_save.sequencer``), which takes the n-th save to be the template's n-th
+    (T2 [ saves are classified as they happen ]) and checks its shape and dtype: a
     mismatch, or another number of saves, raises ``RecomputeError`` (never a silent
-    wrong gradient) and retires the template. (Versions are not compared: a custom
-    op that fills its output in place bumps the counter only without a dispatch mode.
-    A handle of a tensor that dies in the run carries the template's version, which
-    its recorded writes are counted in.)
-D4. The random states a run's random ops draw are read where the template says
-    (T3), and bound (``_record.bind``) into the run's record with its Inputs, its output Vars (made
-    when the tensor is first saved or when the graph returns; each replaces the
-    template's Var in its op's outputs, noted in ``BlockRecord.renamed`` for the views
-    that still name the template's) and its signature: replay, budgets, the report and
+    wrong gradient) and retires the template. (Versions are not compared: a custom op
+    that fills its output in place bumps the counter only without a dispatch mode. A
+    handle of a tensor that dies in the run carries the template's version, which its
+    recorded writes are counted in.)
+D4. [ a steady run's record is bound ] The random states a run's random ops draw are
+    read where the template says (T3 [ random states observed at saves ]), and bound
+    (``_record.bind``) into the run's record with its Inputs, its output Vars (made when
+    the tensor is first saved or when the graph returns; each replaces the template's
+    Var in its op's outputs, noted in ``BlockRecord.renamed`` for the views that still
+    name the template's) and its signature: replay, budgets, the report and
     ``model_stats`` read it as a recorded record.
-D5. Everything a run sets (the thread's request, the sequencer, the recorder off
-    the stack) is put back when it returns or raises.
-D6. A graph stands for the function only where it runs the ops the function runs
-    eagerly: dynamo traces code that branches on ``torch.compiler.is_compiling()``
-    down its compiled branch (Hugging Face's MoE experts, off bfloat16, take a loop of
-    matmuls there). A function's first call in a scope runs eagerly, recorded, and the
-    structure (signature) of every such eager run is noted per function and scope
-    options. A graph's first run is recorded as usual; its structure must be one an
-    eager run had, else the next call that reaches the graph runs eagerly instead
-    (the graph raises before any op of it ran) and is compared: the same structure
-    admits the graph, another one means the graph computes something else: the
-    function is recorded from then on (D2), with a warning, since one run per graph and
-    options, the first, ran the graph before it could be compared.
+D5. [ a run puts back what it set ] Everything a run sets (the thread's request, the
+    sequencer, the recorder off the stack) is put back when it returns or raises.
+D6. [ the graph must run the eager ops ] A graph stands for the function only where it
+    runs the ops the function runs eagerly: dynamo traces code that branches on
+    ``torch.compiler.is_compiling()`` down its compiled branch (Hugging Face's MoE
+    experts, off bfloat16, take a loop of matmuls there). A function's first call in a
+    scope runs eagerly, recorded, and the structure (signature) of every such eager run
+    is noted per function and scope options. A graph's first run is recorded as usual;
+    its structure must be one an eager run had, else the next call that reaches the
+    graph runs eagerly instead (the graph raises before any op of it ran) and is
+    compared: the same structure admits the graph, another one means the graph computes
+    something else: the function is recorded from then on
+    (D2 [ what dynamo cannot capture is recorded ]), with a warning, since one run per
+    graph and options, the first, ran the graph before it could be compared.
 """
 
 from __future__ import annotations
@@ -99,18 +103,21 @@ __all__ = ["run"]
 Tensor = torch.Tensor
 _log = logging.getLogger("gradient_scope")
 _tls = threading.local()
-_failed: weakref.WeakSet[Any] = weakref.WeakSet()  # D2: functions recorded from now on
+# D2 [ what dynamo cannot capture is recorded ]: functions recorded from now on
+_failed: weakref.WeakSet[Any] = weakref.WeakSet()
 _compiled: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_RETIRED = object()  # a template that diverged (D3)
-#: D6: per function's code, per scope options (``_Request.key``), the structures of its
-#: eager runs (by code: a function made anew per call, a lambda or a closure, shares them).
+_RETIRED = object()  # a template that diverged (D3 [ saves checked against the template ])
+#: D6 [ the graph must run the eager ops ]: per function's code, per scope options
+#: (``_Request.key``), the structures of its eager runs (by code: a function made anew per call,
+#: a lambda or a closure, shares them).
 _eager: weakref.WeakKeyDictionary[Any, dict[Any, deque[Hashable]]] = weakref.WeakKeyDictionary()
 _EAGER_KEPT = 8  # structures noted per code and options (shapes a function is called with)
 
 
 class _RunEager(Exception):
-    """Raised by a graph whose first run's structure no eager run has shown yet (D6),
-    before any of its ops ran: the call runs the function eagerly, and compares."""
+    """Raised by a graph whose first run's structure no eager run has shown yet
+    (D6 [ the graph must run the eager ops ]), before any of its ops ran: the call runs the
+    function eagerly, and compares."""
 
     def __init__(self, graph: _Graph | None) -> None:
         super().__init__()
@@ -129,8 +136,9 @@ def _eager_keys(fn: Callable[..., Any], key: Any) -> deque[Hashable]:
 
 
 def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], graph: _Graph | None) -> Any:
-    """D6: ``req``'s call run eagerly in its open block, recorded; its structure noted,
-    and compared with the first run of ``graph`` where that graph asked for it."""
+    """D6 [ the graph must run the eager ops ]: ``req``'s call run eagerly in its open block,
+    recorded; its structure noted, and compared with the first run of ``graph`` where that graph
+    asked for it."""
     out = req.fn(*args, **kwargs)
     block = req.block
     block.settle()
@@ -144,7 +152,7 @@ def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], gra
 
 
 def _wanted(opts: ScopeOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """D1, before the scope is entered."""
+    """D1 [ which calls run steady ], before the scope is entered."""
     setting = os.environ.get("GRADIENT_SCOPE_FAST", "")
     if setting == "0" or opts.debug or opts.contextual:
         return False
@@ -199,7 +207,7 @@ def run(
     kwargs: dict[str, Any],
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in ``scope`` (a scope with options ``opts``), in its
-    steady state where D1 allows."""
+    steady state where D1 [ which calls run steady ] allows."""
     target = _target(fn) if _wanted(opts, args, kwargs) else None
     if target is None:
         with scope:
@@ -210,7 +218,7 @@ def run(
         if block is None or len(block.frames) != 1 or block.frame.stats is not opts.stats or block.record.ops:
             return fn(*args, **kwargs)  # the scope records nothing (disabled) or is not alone
         req = _Request(opts, block, fn)
-        if not _eager_keys(fn, req.key):  # D6: the first call runs eagerly
+        if not _eager_keys(fn, req.key):  # D6 [ the graph must run the eager ops ]: the first call runs eagerly
             return _run_eager(req, args, kwargs, None)
         prior = getattr(_tls, "request", None)
         _tls.request = req
@@ -219,12 +227,16 @@ def run(
         try:
             with _recorder.suspended():
                 out = compiled(*head, *args, **kwargs)
-        except _RunEager as e:  # D6: nothing of the graph ran (e is not kept: its traceback
-            eager, graph = True, e.graph  # holds this frame, whose locals hold the block's tensors)
+        except _RunEager as e:
+            # D6 [ the graph must run the eager ops ]: nothing of the graph ran (e is not kept:
+            # its traceback holds this frame, whose locals hold the block's tensors)
+            eager, graph = True, e.graph
         except Exception as e:
             if req.entered:
                 raise
-            raised = True  # nothing ran (D2): the function runs recorded (and raises its own error)
+            # nothing ran (D2 [ what dynamo cannot capture is recorded ]): the function runs
+            # recorded (and raises its own error)
+            raised = True
             if is_dynamo_error(e):
                 _failed_once(fn, e)
         finally:
@@ -233,13 +245,16 @@ def run(
             return _run_eager(req, args, kwargs, graph)
         if raised:
             return fn(*args, **kwargs)
-        if not req.entered:  # D2: dynamo ran it without our graph (no op, or a skipped frame)
+        # D2 [ what dynamo cannot capture is recorded ]: dynamo ran it without our graph (no op, or
+        # a skipped frame)
+        if not req.entered:
             _give_up(fn, "dynamo ran it without our graph")
         return out
 
 
-#: D2: how often dynamo could not capture a function (a capture is retried: a break may
-#: depend on the arguments); at ``_RETRIES`` it is recorded from then on.
+#: D2 [ what dynamo cannot capture is recorded ]: how often dynamo could not capture a function
+#: (a capture is retried: a break may depend on the arguments); at ``_RETRIES`` it is recorded
+#: from then on.
 _failures: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _RETRIES = 2
 
@@ -265,18 +280,20 @@ def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..
 
 class _Graph:
     """What our backend gives dynamo for one captured graph: runs it eagerly, recorded
-    the first time per scope options, bound from the template after (D3, D4)."""
+    the first time per scope options, bound from the template after
+    (D3 [ saves checked against the template ], D4 [ a steady run's record is bound ])."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
         # (id of the save= option, preserve_rng_state) -> (that option, its template or
         # _RETIRED): the option is held, so that its id names it while the entry lives.
         self.templates: dict[Any, tuple[Any, Any]] = {}
-        # D6: per scope options, the structure of the graph's first run, until an eager
-        # run of the function showed the same one.
+        # D6 [ the graph must run the eager ops ]: per scope options, the structure of the
+        # graph's first run, until an eager run of the function showed the same one.
         self.unverified: dict[Any, Hashable] = {}
-        # T4: a nested scope's annotation, or a higher-order op (a checkpoint's region,
-        # flex_attention: what it does is not the recorder's to bind), is recorded every run.
+        # T4 [ no nested scope or higher-order op ]: a nested scope's annotation, or a
+        # higher-order op (a checkpoint's region, flex_attention: what it does is not the
+        # recorder's to bind), is recorded every run.
         self.nested: bool = any(
             (isinstance(n.meta.get("custom"), dict) and "gradient_scope" in n.meta["custom"])
             or (n.op == "call_function" and is_higher_order_op(n.target))
@@ -288,11 +305,13 @@ class _Graph:
         if req is None or req.entered:
             with _recorder.reinstated():
                 return self.gm(*args)
-        if self.nested:  # T4: recorded as usual, eagerly, now and (D2) from the next call on
+        # T4 [ no nested scope or higher-order op ]: recorded as usual, eagerly, now and
+        # (D2 [ what dynamo cannot capture is recorded ]) from the next call on
+        if self.nested:
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
             raise _RunEager(None)
         pending = self.unverified.get(req.key)
-        if pending is not None:  # D6
+        if pending is not None:  # D6 [ the graph must run the eager ops ]
             if pending not in _eager_keys(req.fn, req.key):
                 raise _RunEager(self)
             del self.unverified[req.key]
@@ -301,7 +320,7 @@ class _Graph:
         tpl = entry[1] if entry is not None and entry[0] is req.save else None
         if tpl is None:
             return self._first(req, list(args))
-        if tpl is _RETIRED or tpl.context != req.block.context:  # T5
+        if tpl is _RETIRED or tpl.context != req.block.context:  # T5 [ one numeric context ]
             with _recorder.reinstated():
                 return self.gm(*args)
         if tpl.captured and tpl.capture is None:
@@ -309,8 +328,8 @@ class _Graph:
         return _steady(self, tpl, req, list(args))
 
     def _locate(self, req: _Request, tpl: Template, args: list[Any]) -> Any:
-        """T6: a recorded run node by node, which finds the graph nodes whose values hold
-        the outside tensors the block makes itself."""
+        """T6 [ kept ops' outputs taken from the graph ]: a recorded run node by node, which
+        finds the graph nodes whose values hold the outside tensors the block makes itself."""
         block = req.block
         values = NodeValues(self.gm)
         with _recorder.reinstated():
@@ -341,12 +360,14 @@ class _Graph:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
         self.templates[req.key] = (req.save, tpl if tpl is not None else _RETIRED)
         key = tpl.key if tpl is not None else signature(block.record)[0]
-        if key not in _eager_keys(req.fn, req.key):  # D6: compared at the next call that reaches it
+        # D6 [ the graph must run the eager ops ]: compared at the next call that reaches it
+        if key not in _eager_keys(req.fn, req.key):
             self.unverified[req.key] = key
         return out
 
     def compared(self, req: _Request, key: Hashable) -> None:
-        """D6: an eager run of a call that reached this graph, whose structure is ``key``."""
+        """D6 [ the graph must run the eager ops ]: an eager run of a call that reached this
+        graph, whose structure is ``key``."""
         pending = self.unverified.get(req.key)
         if pending is None or pending == key:
             self.unverified.pop(req.key, None)
@@ -364,20 +385,23 @@ class _Graph:
 
 
 def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any:
-    """D3, D4: a run bound from ``tpl`` (``_record.bind``), its saves sequenced (``_save.sequencer``)."""
+    """D3 [ saves checked against the template ], D4 [ a steady run's record is bound ]: a run
+    bound from ``tpl`` (``_record.bind``), its saves sequenced (``_save.sequencer``)."""
     block = req.block
     seq = Sequencer(tpl, block.frame, block.owner, Binding(tpl, block.record, block.frame, args))
     try:
         with sequencing(seq):
             out = (tpl.gm or graph.gm)(*args)
         taken: list[Any] = []
-        if tpl.captured:  # T6: the graph returns the values that hold them too
+        # T6 [ kept ops' outputs taken from the graph ]: the graph returns the values that hold them
+        # too
+        if tpl.captured:
             n = len(out) - len(tpl.captured)
             out, extras = tuple(out[:n]), out[n:]
             if tpl.capture:
                 taken = [take(extras[e], j, layout) for e, j, layout in tpl.capture]
         seq.finish(out, taken)
     finally:
-        if seq.diverged:  # D3: recorded from the next run on
+        if seq.diverged:  # D3 [ saves checked against the template ]: recorded from the next run on
             graph.templates[req.key] = (req.save, _RETIRED)
     return out
