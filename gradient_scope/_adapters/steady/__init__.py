@@ -25,8 +25,8 @@ a steady rule or cannot arise in a steady run (checked: ``tests/test_rule_citati
   outputs are outside tensors, taken from the graph's values; D1 [ which calls run steady ]:
   no context policy.
 - R3 [ backward's ops are not the block's ] -- D1 [ which calls run steady ]: a steady call
-  is entered outside backward; T4 [ no nested scope or higher-order op ]: no checkpointed
-  region inside.
+  is entered outside backward; D2 [ what dynamo cannot capture is recorded ]: a function
+  that runs a backward pass (``torch.autograd.grad``) is not captured whole, so recorded.
 - R4 [ dtype=None as resolved ] -- does not apply: no factory runs under the recorder in a
   steady run; its ops are the template's, recorded with the dtype forward resolved, and
   dynamo's guards hold the global state (the default dtype) they were resolved under.
