@@ -57,9 +57,18 @@ def set_traced_block(fn: Callable[..., Any]) -> Callable[[], None]:
 _steady_runner: list[Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
-def set_steady_runner(fn: Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]) -> None:
-    """Make ``fn(scope, function, args, kwargs)`` run every function-form scope."""
+def set_steady_runner(
+    fn: Callable[[Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+) -> Callable[[], None]:
+    """Make ``fn(scope, function, args, kwargs)`` run every function-form scope. Returns
+    a function that removes it."""
     _steady_runner[:] = [fn]
+
+    def remove() -> None:
+        if _steady_runner == [fn]:
+            _steady_runner.clear()
+
+    return remove
 
 
 def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -58,10 +58,9 @@ from typing import Any, SupportsIndex
 import torch
 
 from .._record.types import BlockRecord
-from .._restore.replay import add_freed_storage_handler
 from .block import BlockPlan
 from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds
-from .offload import engines, restore
+from .offload import engines
 from .region import Region
 from .run import Run
 from .step import StepPlan
@@ -152,13 +151,6 @@ def _offload_limit(value: Any) -> float | None:
         raise type(e)(f"offload: {e}; or True (as much host memory as needed), or None/False (off)") from None
 
 
-def _restore_offloaded(t: Tensor) -> bool:
-    """The freed-storage handler of every budget's engine (O5 in ``_budget.offload``)."""
-    return any(restore(e, t) for e in list(engines))
-
-
-add_freed_storage_handler(_restore_offloaded)
-
 _keys = itertools.count(1)
 _BY_KEY: weakref.WeakValueDictionary[int, Budget] = weakref.WeakValueDictionary()
 
@@ -209,8 +201,8 @@ class Budget:
         self._offload_arg = offload
         self.offload = _offload_limit(offload)
         self._run = Run(self.bytes, self.offload)
-        if self._run._engine is not None:
-            engines.add(self._run._engine)
+        if self._run.engine is not None:
+            engines.add(self._run.engine)
         self.key = next(_keys)  # (what a compiled graph knows it by)
         _BY_KEY[self.key] = self
 
@@ -340,8 +332,8 @@ class Budget:
     def release_host_memory(self) -> None:
         """Give back the pinned host memory no offloaded tensor uses now (the pool keeps
         it between steps otherwise)."""
-        if self._run._engine is not None:
-            self._run._engine.release_host_memory()
+        if self._run.engine is not None:
+            self._run.engine.release_host_memory()
 
     # -- what the scopes and helpers call
 
