@@ -25,9 +25,10 @@ O5. An input a block keeps for replay is offloaded in place: its storage's bytes
     prefetched bytes in before the replay reads it.
 O6. Host memory comes from the pool (``_budget.hostpool``) and goes back with the event
     of the last copy that reads it. A copy the pool has no room for leaves the tensor on
-    the device, and its bytes are counted (``refused``): the budget says so. A packed tensor that dies -- the graph freed after
-    backward, or dropped by an exception in forward or backward -- first waits for its
-    copies: nothing stays in flight, nothing is held.
+    the device, and its bytes are counted (``refused``): the budget says so. A packed
+    tensor that dies -- the graph freed after backward, or dropped by an exception in
+    forward or backward -- first waits for its copies: nothing stays in flight, nothing
+    is held.
 O7. A packed tensor checks at unpack that the tensor it was made from (or its base) was
     not written since, as autograd does: PyTorch's in-place error otherwise. One made
     from a tensor autograd would keep itself (a saved input, not a view) whose data was

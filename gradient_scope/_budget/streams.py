@@ -27,7 +27,15 @@ import torch
 
 from .._base.torch_compat import without_python_dispatch, without_torch_function
 
-__all__ = ["Backend", "CudaBackend", "HostCopyStandIn", "backend_for", "backend_of", "host_copy_stand_in", "offloadable"]
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "HostCopyStandIn",
+    "backend_for",
+    "backend_of",
+    "host_copy_stand_in",
+    "offloadable",
+]
 
 Tensor = torch.Tensor
 
