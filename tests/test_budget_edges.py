@@ -22,7 +22,7 @@ import gradient_scope
 from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute
 from gradient_scope._budget import run as _run_module
-from gradient_scope._budget.hostpool import HostPool, footprint
+from gradient_scope._budget.hostpool import HostPool
 from gradient_scope._budget.streams import HostCopyStandIn, host_copy_stand_in
 
 from conftest import ResidualMLP, assert_all_same, pinned_cpu_rates
