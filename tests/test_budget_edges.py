@@ -257,7 +257,13 @@ def test_the_budget_rooms_import_one_way():
         assert private == [], (name, private)
 
 
-SEAMS = ("add_freed_storage_handler", "add_empty_listener", "add_close_listener", "set_traced_block", "set_steady_runner")
+SEAMS = (
+    "add_freed_storage_handler",
+    "add_empty_listener",
+    "add_close_listener",
+    "set_traced_block",
+    "set_steady_runner",
+)
 
 
 def test_the_seams_between_layers_are_registered_in_the_package_only():
