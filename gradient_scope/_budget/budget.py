@@ -27,16 +27,21 @@ M3. A block whose structure (its signature, ``_record.signature``: the key repla
 M4. When a step ends (M2) that had a measured block, or a region whose saves differ
     from its plan's, the step is planned (``_budget.step``, ``_budget.planner``) at the
     device's measured rates (``_budget.rates``). Plans are cached per site, occurrence
-    and structure, so a new structure (another sequence length) runs unplanned once
-    and its plan is kept next to the others.
+    and structure (a region's per occurrence and structure), so a new structure
+    (another sequence length) runs unplanned once and its plan is kept next to the
+    others: structures that alternate are each planned once.
 M5. A budget below the floor warns once, naming the floor, and keeps only what costs
     no bytes (``_budget.planner`` K5).
 M6. A budget given to a model-level helper bounds the model's activation memory after
     forward: a region (``_budget.region``) is open during each forward of the model,
     and what the code outside the scopes saves there counts (N1 in ``_budget.step``).
+    Where a scope would record nothing (scopes disabled, no grad, dynamo tracing) no
+    region opens: a disabled process measures, counts and plans nothing.
 M7. With ``offload=``, the budget's engine (``_budget.offload``) moves what the plan
-    offloads. On a device it cannot move (the CPU), offload changes nothing and one
-    warning says so.
+    offloads. The plan fits the host bytes the pool counts into what the pool can hold
+    (``_budget.hostpool`` H2..H4); copies the pool still refuses (its memory held by an
+    earlier step's tensors) stay on the device, and one warning says how many bytes. On
+    a device it cannot move (the CPU), offload changes nothing and one warning says so.
 M8. The figures a budget shows (floor, planned bytes, predicted times, stored ops,
     curve) are those of the plan of the structure of the last step that ended: each
     step structure planned keeps its own, so a step that returns to an earlier

@@ -9,7 +9,9 @@
   queues its operations and runs them only when something waits for them (an event
   waited on, queried or synchronised), the latest a real copy could finish. A missing
   wait therefore reads what a fresh device buffer holds, all bits set (NaN for floats),
-  and a copy whose source died before it ran (no ``record_stream``) raises.
+  and a copy whose source died before it ran (no ``record_stream``) raises. Its
+  "pinned" allocations are sized as CUDA's caching host allocator reserves them (a
+  power of two): :meth:`HostCopyStandIn.pinned_bytes` is what the host really holds.
 
 :func:`backend_for` picks the backend of a tensor: CUDA for CUDA tensors, the stand-in
 for CPU tensors while :func:`host_copy_stand_in` is active, else None (nowhere to go).
