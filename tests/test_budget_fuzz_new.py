@@ -11,7 +11,7 @@ lengths, and checks at every step:
 * gradients bitwise those of the plain model at that length;
 * the bytes held after forward within what the plan says (``planned_bytes``), and so
   within the budget whenever the plan is;
-* what the pool holds after forward is ``offloaded_bytes``; its reserved bytes are what
+* what the pool holds when backward starts is ``offloaded_bytes``; its reserved bytes are what
   the stand-in's pinned allocations really hold (rounded as CUDA's), within ``offload=``;
   no copy is refused;
 * one plan per length (structure), and each length shows its first figures again.
@@ -92,29 +92,34 @@ def build(spec: dict) -> nn.Module:
 
 
 def run_step(model: nn.Module, x: torch.Tensor, backend=None, budget=None):
-    """``(held after forward, gradients, pool bytes in use after forward)``."""
+    """``(held after forward, gradients, pool bytes in use when backward starts)``."""
     model.zero_grad(set_to_none=True)
     x.grad = None
     torch.manual_seed(7)
     gc.collect()
-    host = []
     engine = budget._run.engine if budget is not None else None
     reserved = engine.reserved_bytes if engine is not None else 0
+    seen = {"slabs": 0, "host": None}
 
     def forward():
         out = model(x)
         if backend is not None:
             backend.drain()
         if engine is not None:
-            host.append(engine.live_bytes)
             # The stand-in's "pinned" slabs are CPU memory: a slab made in this forward
             # is host memory, not what the device holds.
-            host.append(engine.reserved_bytes - reserved)
+            seen["slabs"] = engine.reserved_bytes - reserved
         return out
 
-    out, held, _ = measure(forward, lambda o: o.square().sum().backward(), x.device)
-    held -= out.untyped_storage().nbytes() + (host[1] if host else 0)
-    return held, [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], host[0] if host else None
+    def backward(out):
+        loss = out.square().sum()  # (saves the output: a block's, where no code follows the blocks)
+        if engine is not None:
+            seen["host"] = engine.live_bytes
+        loss.backward()
+
+    out, held, _ = measure(forward, backward, x.device)
+    held -= out.untyped_storage().nbytes() + seen["slabs"]
+    return held, [p.grad.clone() for p in model.parameters()] + [x.grad.clone()], seen["host"]
 
 
 def inputs(spec: dict, length: int) -> torch.Tensor:

@@ -187,9 +187,10 @@ class Run:
     def end_step(self) -> None:
         refused = self.engine.take_refused() if self.engine is not None else 0
         if refused:
+            host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
             self.warn_once(
                 "refused",
-                f"gradient_scope: Budget({fmt_bytes(self.bytes)}, offload={fmt_bytes(self.host or 0)}): "
+                f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
                 f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
                 "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
                 "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
