@@ -190,7 +190,7 @@ spec_st = st.fixed_dictionaries(
         "offload": st.one_of(
             st.none(), st.just(True), st.integers(0, 6000), st.sampled_from(["600B", "1500B", "3KiB"])
         ),
-        "steps": st.lists(st.sampled_from([3, 5, 8]), min_size=1, max_size=3, unique=True).flatmap(
+        "steps": st.lists(st.sampled_from([3, 5, 8]), min_size=2, max_size=3, unique=True).flatmap(
             lambda ls: st.integers(3, 6).map(lambda k: [ls[i % len(ls)] for i in range(k)])
         ),
     }
