@@ -23,13 +23,14 @@ from ._base.errors import RecomputeError
 from ._base.options import disabled
 from ._base.stats import ScopeStats
 from ._base.version import __version__ as __version__
+from ._budget import offload as _offload
 from ._budget.budget import Budget
+from ._record import recorder as _recorder
+from ._record import registry as _registry
 from ._report.report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
+from ._restore import replay as _replay
+from ._save import interception as _interception
 from .policies import OpContext, context_policy, name_region, save_any, save_attention, save_matmuls, save_nothing
-
-# The adapters, registered with the core (see docs/internals.md). FSDP2: brings back
-# freed parameter storage for a replay (imports no torch.distributed).
-_fsdp.install()
 
 
 def _traced_block(*args: Any, **options: Any) -> Any:
@@ -40,10 +41,25 @@ def _traced_block(*args: Any, **options: Any) -> Any:
     return _compile.traced_block(*args, **options)
 
 
-_scope.set_traced_block(_traced_block)
-# A function-form scope whose function dynamo captures runs without the recorder once its
-# graph was recorded (imports no torch._dynamo until a function is captured).
-_scope.set_steady_runner(_steady.run)
+# The seams: every callback a layer gives a lower one (docs/internals.md), registered here
+# and nowhere else; each registration returns its remover (kept here, in order).
+_SEAMS = (
+    # Our pair leaves the stack once the last block tensor of a thread died
+    # (I4 [ stacks edited at safe points only ], I8 [ the main thread's pair, removed later ]).
+    _registry.add_empty_listener(_interception.on_empty),
+    # A budget's kept input offloaded in place comes back for its replay
+    # (O5 [ kept inputs are offloaded in place ]).
+    _replay.add_freed_storage_handler(_offload.restore_offloaded),
+    # FSDP2 (imports no torch.distributed): freed parameter storage gathered back for a
+    # replay; a block's buffers released at its close.
+    _replay.add_freed_storage_handler(_fsdp.on_freed),
+    _recorder.add_close_listener(_fsdp.release_buffers),
+    # What a scope is while dynamo traces.
+    _scope.set_traced_block(_traced_block),
+    # A function-form scope whose function dynamo captures runs without the recorder once
+    # its graph was recorded (imports no torch._dynamo until a function is captured).
+    _scope.set_steady_runner(_steady.run),
+)
 
 __all__ = [
     "Budget",

@@ -131,7 +131,7 @@ def test_offload_keeps_device_bytes_within_a_budget_below_the_recompute_floor(de
             assert held == b.planned_bytes <= budget, (budget, held, b.planned_bytes)
             assert b.offloaded_bytes > 0 and {"offloaded"} <= {s.how for s in b.stored_ops()}
             assert any(s.op == "input" for s in b.stored_ops() if s.how == "offloaded")  # kept inputs too
-            engine = b._run._engine
+            engine = b._run.engine
             assert engine.live_bytes == 0 and engine.in_flight == 0  # all came back and went
             if backend is not None:
                 assert backend.pending() == 0
@@ -161,7 +161,7 @@ def test_copies_back_are_prefetched_in_the_recorded_backward_order_ahead_of_need
         model = make_model()
         b = Budget(0, offload=True)
         apply_recompute(model, check_fn=Block, budget=b)
-        engine = b._run._engine
+        engine = b._run.engine
         for _ in range(2):
             quietly(probe, model, x)
         issued = []
@@ -214,7 +214,7 @@ def test_an_exception_mid_backward_leaves_no_copy_in_flight_and_no_memory_held(d
         with pytest.raises(ValueError, match="boom"):
             quietly(probe, model, x)
         Boom.armed = False
-        engine = b._run._engine
+        engine = b._run.engine
         assert engine.live_bytes == 0 and engine.in_flight == 0
         if backend is not None:
             assert backend.pending() == 0
@@ -275,7 +275,7 @@ def test_save_on_cpu_entered_around_the_model_gets_what_the_budget_keeps_or_offl
                 loss = quietly(model, x).square().sum()
             loss.backward()
             assert_all_same([p.grad for p in model.parameters()] + [x.grad], plain_grads)
-        assert b._run._engine.live_bytes == 0
+        assert b._run.engine.live_bytes == 0
 
 
 def test_the_host_pool_is_bounded_by_offload_bytes():
@@ -287,7 +287,7 @@ def test_the_host_pool_is_bounded_by_offload_bytes():
         for _ in range(3):
             assert_all_same(quietly(grads, model, x), plain_grads)
         assert b.offloaded_bytes <= 20 * 1024
-        assert b._run._engine.reserved_bytes <= 20 * 1024
+        assert b._run.engine.reserved_bytes <= 20 * 1024
 
 
 def test_hand_written_scopes_offload_with_their_budget():

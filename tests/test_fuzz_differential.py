@@ -41,8 +41,12 @@ scopes sharing one random Budget for three steps (plans apply from the second), 
 versioned writes to saved block tensors after the block, ``.data`` swaps, a graph retained
 into the next step, and backward in another thread that drops the block tensors. With a
 budget each step must give what the program gives without one -- or, where that raises,
-what plain gives -- and, once a budgeted block ran, a plan must exist (steps end).
-Size: GS_DIFF_BUDGET_EXAMPLES examples (default 40).
+what plain gives -- and, once a budgeted block ran, a plan must exist (steps end). A
+budget may offload (``offload=True`` or a bounded host pool of a random size, on the
+host-copy stand-in): the pool then reserves what the stand-in's pinned allocations really
+hold, within ``offload=``, and holds nothing once the program's graphs are gone.
+Size: GS_DIFF_BUDGET_EXAMPLES examples (default 40). Models under a model-level budget,
+with bounded pools and alternating lengths: ``tests/test_budget_fuzz_new.py``.
 
 Size: GS_DIFF_EXAMPLES (or GS_HYPOTHESIS_EXAMPLES) examples, default 200; derandomized
 (the same examples every run) unless GS_DIFF_RANDOM=1; no shrinking unless
@@ -67,6 +71,7 @@ from hypothesis import HealthCheck, Phase, event, given, reject, settings
 from hypothesis import strategies as st
 
 from gradient_scope import Budget, RecomputeError, recompute_scope
+from gradient_scope._budget.streams import host_copy_stand_in
 
 from _fuzz_ops import BINARY, COMPLEX, MODULES, MULTI, NEWEST, OP_NAMES, OPS, RANDOM_OPS, SCRATCH, UNARY, VIEWS, Ctx, N
 from _writes import WRITES
@@ -477,22 +482,31 @@ def check_budget_program(program: dict) -> str:
     failure = None
     if plain[0] == "ok" and not (_same_outcome(unplanned, plain) or unplanned == ("raised", "RecomputeError")):
         failure = f"with scopes: {_describe(unplanned)} where plain gives a result (or it differs)"
-    budget = Budget(program["budget"])
+    offload = program.get("offload")
+    budget = Budget(program["budget"], offload=offload)
     steps_ok = True
     plans = []
-    for step in range(BUDGET_STEPS):
-        got = _outcome(lambda: run_program(program, scoped=True, budget=budget))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # below the floor
-            plans.append(budget.planned_bytes)  # (a "retain_kept" graph is still alive)
-        if not (_same_outcome(got, unplanned) or (unplanned[0] == "raised" and _same_outcome(got, plain))):
-            failure = failure or (
-                f"step {step + 1} with a budget: {_describe(got)}; without one: {_describe(unplanned)}; "
-                f"plain: {_describe(plain)}"
-            )
-        if got[0] == "raised":
-            steps_ok = False
-    _RETAINED.clear()
+    with host_copy_stand_in() if offload is not None else contextlib.nullcontext() as backend:
+        for step in range(BUDGET_STEPS):
+            got = _outcome(lambda: run_program(program, scoped=True, budget=budget))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # below the floor
+                plans.append(budget.planned_bytes)  # (a "retain_kept" graph is still alive)
+            if not (_same_outcome(got, unplanned) or (unplanned[0] == "raised" and _same_outcome(got, plain))):
+                failure = failure or (
+                    f"step {step + 1} with a budget: {_describe(got)}; without one: {_describe(unplanned)}; "
+                    f"plain: {_describe(plain)}"
+                )
+            if got[0] == "raised":
+                steps_ok = False
+        _RETAINED.clear()
+        engine = budget._run.engine
+        if engine is not None:
+            gc.collect()
+            if engine.reserved_bytes != backend.pinned_bytes() or engine.reserved_bytes > budget.offload:
+                failure = failure or f"host pool: reserved {engine.reserved_bytes}, pinned {backend.pinned_bytes()}"
+            if engine.live_bytes or engine.in_flight:
+                failure = failure or f"host pool: {engine.live_bytes} bytes still in use after the program"
     if (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled()) != state0:
         gc.collect()  # an exception's frames may hold block tensors in a cycle
         if (top_hooks(), dispatch_depth(), patchable(), torch.is_grad_enabled()) != state0:
@@ -506,6 +520,9 @@ def check_budget_program(program: dict) -> str:
     if failure is not None:
         raise AssertionError(f"{failure}\nprogram={program!r}")
     planned = "planned" if budget.planned_bytes is not None else "unplanned"
+    if offload is not None:
+        pool = "unbounded pool" if offload is True else "bounded pool"
+        planned += f", {pool} {'used' if budget.offloaded_bytes else 'unused'}"
     return f"{_describe(unplanned)} without a budget, {planned}"
 
 
@@ -515,9 +532,10 @@ def _budgeted(items: list) -> bool:
     return any(it[0] == "scope" and it[1] in ("plain", "debug") for it in items)
 
 
-def _budget_example(items: list, backward: str = "backward", writes: tuple = (), hit_saved: bool = False) -> dict:
+def _budget_example(items: list, backward: str = "backward", writes: tuple = (), hit_saved: bool = False,
+                    budget: int = 10**12, offload: Any = None) -> dict:  # fmt: skip
     return {"items": items, "seed": 5, "debug_all": False, "writes": list(writes), "backward": backward,
-            "budget": 10**12, "hit_saved": hit_saved}  # fmt: skip
+            "budget": budget, "hit_saved": hit_saved, "offload": offload}  # fmt: skip
 
 
 _BLOCK = ("scope", "plain", [("mul", 0, 1, 0), ("exp_tanh", NEWEST, 0, 0)])
@@ -529,6 +547,8 @@ BUDGET_EXAMPLES = [
     _budget_example([_BLOCK, ("save_last", 2, 0, 0)], writes=[("block", "inplace", 1)], hit_saved=True),
     _budget_example([_BLOCK, ("save_last", 2, 0, 0)], backward="retain_kept"),
     _budget_example([_BLOCK, ("save_last", 2, 0, 0)], backward="thread"),
+    # A bounded host pool whose graph lives into the next step (issue 37).
+    _budget_example([_BLOCK, _BLOCK, ("save_last", 2, 0, 0)], backward="retain_kept", budget=0, offload=600),
 ]
 
 
@@ -541,6 +561,7 @@ budget_program_st = program_st.flatmap(
             ),
             "budget": st.one_of(st.sampled_from([0, 10**12]), st.integers(0, 3000)),
             "hit_saved": st.booleans(),
+            "offload": st.one_of(st.none(), st.none(), st.just(True), st.integers(0, 8192)),
         }
     )
 )

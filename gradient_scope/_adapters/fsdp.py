@@ -48,15 +48,13 @@ import torch
 from .._base.errors import RecomputeError, internal_error
 from .._base.subclass import PLAIN, data_tensors, storage_freed
 from .._base.torch_compat import current_graph_task, queue_engine_callback, storage_id
-from .._record import recorder as _recorder
 from .._record import registry as _registry
 from .._record.types import BlockRecord, Var
-from .._restore import replay as _replay
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = ["regather", "release_buffers", "install"]
+__all__ = ["regather", "release_buffers", "on_freed"]
 
 _FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
@@ -249,11 +247,7 @@ def release_buffers(record: BlockRecord) -> None:
         _registry.forget(owned)
 
 
-def _on_freed(t: torch.Tensor) -> bool:
+def on_freed(t: torch.Tensor) -> bool:
+    """The adapter's freed-storage handler (registered by the package): a replay is about
+    to read ``t``, whose storage FSDP2 freed; True if it was gathered back."""
     return regather(t)  # looked up at call time (tests wrap it)
-
-
-def install() -> None:
-    """Register the adapter with the core (called once, by the package)."""
-    _replay.add_freed_storage_handler(_on_freed)
-    _recorder.add_close_listener(release_buffers)

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .._base.errors import Site
 from .._base.feedback import describe_options, describe_paths, logger, unknown_options
+from .._base.options import scopes_disabled
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
 from ..policies import as_save_policy
@@ -135,8 +136,11 @@ class _ScopedForward:
 
 class _ModelBudget:
     """The hooks of a model-level budget on the model
-    (M6 [ a model-level budget bounds the model ]): each forward of the model is a region of the
-    budget. Inert while dynamo traces (a compiled model's budget applies in its graph)."""
+    (M6 [ a model-level budget bounds the model ]): each forward of the model is a
+    region of the budget. Inert where a scope records nothing: while dynamo traces (a
+    compiled model's budget applies in its graph), without grad, and while scopes are
+    disabled (``gradient_scope.disabled()``, ``GRADIENT_SCOPE_DISABLE``: nothing is
+    counted or planned, so the budget's figures stay those of its last enabled step)."""
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
@@ -144,7 +148,7 @@ class _ModelBudget:
         self.handles: list[Any] = []
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+        if not torch.compiler.is_compiling() and torch.is_grad_enabled() and not scopes_disabled():
             self.open.append(self.budget._open_region(module, (args, kwargs)))
         else:
             self.open.append(None)

@@ -59,9 +59,16 @@ SteadyRunner = Callable[[ScopeOptions, Any, Callable[..., Any], tuple[Any, ...],
 _steady_runner: list[SteadyRunner] = []
 
 
-def set_steady_runner(fn: SteadyRunner) -> None:
-    """Make ``fn(options, scope, function, args, kwargs)`` run every function-form scope."""
+def set_steady_runner(fn: SteadyRunner) -> Callable[[], None]:
+    """Make ``fn(options, scope, function, args, kwargs)`` run every function-form scope.
+    Returns a function that removes it."""
     _steady_runner[:] = [fn]
+
+    def remove() -> None:
+        if _steady_runner == [fn]:
+            _steady_runner.clear()
+
+    return remove
 
 
 def run_in_scope(scope: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -13,8 +13,12 @@
   (RULES K1..K8: what a budget's plan keeps, offloads and recomputes).
 - ``curve`` -- the plan for people: stored ops, the curve, units.
 - ``offload`` -- the offload engine (RULES O1..O7: how offloaded bytes travel);
-  ``hostpool`` its pinned memory, ``streams`` its device backends (CUDA, and the
-  host-copy stand-in that tests the engine on CPU).
+  ``hostpool`` its pinned memory (RULES H1..H4: what the pool holds and reports),
+  ``streams`` its device backends (CUDA, and the host-copy stand-in that tests the
+  engine on CPU).
+
+``run`` knows its blocks and regions; ``block`` and ``region`` ask it only through the
+protocols they define (``BlockRun``, ``RegionRun``): the rooms import one way.
 
 Above the core: it reads records and hands the pack hook callbacks (``Frame.store``, a
 model region's observer); the core never imports it.

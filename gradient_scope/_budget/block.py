@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -15,11 +15,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
 from .measure import input_storages, kept_inputs, storage_of
+from .offload import Offloader
 
-if TYPE_CHECKING:
-    from .run import Run
-
-__all__ = ["BlockPlan", "Plan"]
+__all__ = ["BlockPlan", "BlockRun", "Plan"]
 
 Tensor = torch.Tensor
 Place = tuple[int, int]  # (op, output)
@@ -34,6 +32,32 @@ class Plan(NamedTuple):
     hold: frozenset[int]  # kept inputs offloaded in place: ordinals whose aliases to note
     evict: frozenset[int]  # of them, those this block offloads
     whole: bool  # every saved value kept: the record goes at close
+
+
+class BlockRun(Protocol):
+    """What a block asks of its budget at run time (``_budget.run.Run`` offers it; the
+    run knows its blocks, a block knows only this)."""
+
+    @property
+    def engine(self) -> Offloader | None:
+        """The offload engine (None: no offload)."""
+
+    def saw_storage(self, ptr: int, storage: StorageWeakRef, block: BlockPlan, group: Place) -> None:
+        """A block being measured saved a tensor of storage ``ptr``, of its group ``group``
+        (K2 [ a candidate is one storage ])."""
+
+    def kept_for_replay(self, block: BlockPlan) -> None:
+        """``block`` closed keeping ``block.inputs`` for replay (K2 [ a candidate is one storage ])."""
+
+    def measured(self, block: BlockPlan, record: BlockRecord) -> None:
+        """``block`` closed unplanned: measure ``record`` (M4 [ an ended step is planned ])."""
+
+    def hold(self, ptr: int, aliases: list[Tensor], key: Hashable, evict: bool) -> None:
+        """A kept input of storage ``ptr`` to offload in place
+        (N3 [ an input offloaded by its last block ])."""
+
+    def region_open(self) -> bool:
+        """Whether a model region of the budget is open (N4 [ a budget above plain autograd ])."""
 
 
 def _agrees(plan: Plan, rec: Any, place: Place, var: Var) -> bool:
@@ -69,7 +93,7 @@ class BlockPlan:
         "__weakref__",
     )
 
-    def __init__(self, budget: Run, site: Hashable, occurrence: int, position: int, record: BlockRecord,
+    def __init__(self, budget: BlockRun, site: Hashable, occurrence: int, position: int, record: BlockRecord,
                  state: Any, plans: list[Plan]) -> None:  # fmt: skip
         self.budget = weakref.ref(budget)
         self.site = site
@@ -135,14 +159,14 @@ class BlockPlan:
         where = storage_of(t)
         # measuring: is it kept anyway (K2 [ a candidate is one storage ])?
         if budget is not None and where is not None:
-            budget._storages[where[0]] = (StorageWeakRef(t.untyped_storage()), self, group)
+            budget.saw_storage(where[0], StorageWeakRef(t.untyped_storage()), self, group)
         return False
 
     def _offload(self, entry: Any, t: Tensor) -> Any:
         """The offload callable (``_save.pack`` S4 [ a budget's choice is stored ]): the
         engine's packed tensor, or None."""
         budget = self.budget()
-        engine = budget._engine if budget is not None else None
+        engine = budget.engine if budget is not None else None
         if engine is None:
             return None
         var: Var = entry
@@ -171,10 +195,10 @@ class BlockPlan:
         budget.kept_for_replay(self)
         budget.measured(self, record)
 
-    def _apply(self, plan: Plan, record: BlockRecord, budget: Run) -> None:
+    def _apply(self, plan: Plan, record: BlockRecord, budget: BlockRun) -> None:
         """What the plan does when the block closes: note and offload kept inputs
-        (N3 [ an input offloaded by its last block ]), drop the record of a block that keeps
-        everything (N4 [ a budget above plain autograd ])."""
+        (N3 [ an input offloaded by its last block ]),
+        drop the record of a block that keeps everything (N4 [ a budget above plain autograd ])."""
         if plan.hold:
             kept = list(kept_inputs(record).items())
             for j in sorted(plan.hold):

@@ -29,19 +29,25 @@ M3. [ a plan follows its structure ] A block whose structure (its signature,
 M4. [ an ended step is planned ] When a step ends (M2 [ what a step is ]) that had a
     measured block, or a region whose saves differ from its plan's, the step is planned
     (``_budget.step``, ``_budget.planner``) at the device's measured rates
-    (``_budget.rates``). Plans are cached per site, occurrence and structure, so a new
-    structure (another sequence length) runs unplanned once and its plan is kept next to
-    the others.
+    (``_budget.rates``). Plans are cached per site, occurrence and structure (a region's
+    per occurrence and structure), so a new structure (another sequence length) runs
+    unplanned once and its plan is kept next to the others: structures that alternate
+    are each planned once.
 M5. [ a budget below the floor warns ] A budget below the floor warns once, naming the
     floor, and keeps only what costs no bytes (``_budget.planner``
     K5 [ below the floor only free values ]).
 M6. [ a model-level budget bounds the model ] A budget given to a model-level helper
     bounds the model's activation memory after forward: a region (``_budget.region``) is
     open during each forward of the model, and what the code outside the scopes saves
-    there counts (N1 [ the bytes a budget bounds ] in ``_budget.step``).
+    there counts (N1 [ the bytes a budget bounds ] in ``_budget.step``). Where a scope
+    would record nothing (scopes disabled, no grad, dynamo tracing) no region opens: a
+    disabled process measures, counts and plans nothing.
 M7. [ offload= moves what the plan offloads ] With ``offload=``, the budget's engine
-    (``_budget.offload``) moves what the plan offloads. On a device it cannot move (the
-    CPU), offload changes nothing and one warning says so.
+    (``_budget.offload``) moves what the plan offloads. The plan fits the host bytes the
+    pool counts into what the pool can hold (``_budget.hostpool`` H2..H4); copies the
+    pool still refuses (its memory held by an earlier step's tensors) stay on the
+    device, and one warning says how many bytes. On a device it cannot move (the CPU),
+    offload changes nothing and one warning says so.
 M8. [ the figures of the last step's plan ] The figures a budget shows (floor, planned
     bytes, predicted times, stored ops, curve) are those of the plan of the structure of
     the last step that ended: each step structure planned keeps its own, so a step that
@@ -64,10 +70,9 @@ from typing import Any, SupportsIndex
 import torch
 
 from .._record.types import BlockRecord
-from .._restore.replay import add_freed_storage_handler
 from .block import BlockPlan
 from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds
-from .offload import engines, restore
+from .offload import engines
 from .region import Region
 from .run import Run
 from .step import StepPlan
@@ -158,14 +163,6 @@ def _offload_limit(value: Any) -> float | None:
         raise type(e)(f"offload: {e}; or True (as much host memory as needed), or None/False (off)") from None
 
 
-def _restore_offloaded(t: Tensor) -> bool:
-    """The freed-storage handler of every budget's engine
-    (O5 [ kept inputs are offloaded in place ] in ``_budget.offload``)."""
-    return any(restore(e, t) for e in list(engines))
-
-
-add_freed_storage_handler(_restore_offloaded)
-
 _keys = itertools.count(1)
 _BY_KEY: weakref.WeakValueDictionary[int, Budget] = weakref.WeakValueDictionary()
 
@@ -216,8 +213,8 @@ class Budget:
         self._offload_arg = offload
         self.offload = _offload_limit(offload)
         self._run = Run(self.bytes, self.offload)
-        if self._run._engine is not None:
-            engines.add(self._run._engine)
+        if self._run.engine is not None:
+            engines.add(self._run.engine)
         self.key = next(_keys)  # (what a compiled graph knows it by)
         _BY_KEY[self.key] = self
 
@@ -347,8 +344,8 @@ class Budget:
     def release_host_memory(self) -> None:
         """Give back the pinned host memory no offloaded tensor uses now (the pool keeps
         it between steps otherwise)."""
-        if self._run._engine is not None:
-            self._run._engine.release_host_memory()
+        if self._run.engine is not None:
+            self._run.engine.release_host_memory()
 
     # -- what the scopes and helpers call
 

@@ -27,9 +27,10 @@ O5. [ kept inputs are offloaded in place ] An input a block keeps for replay is
     the engine regrows it and copies the prefetched bytes in before the replay reads it.
 O6. [ host memory comes from the pool ] Host memory comes from the pool
     (``_budget.hostpool``) and goes back with the event of the last copy that reads it.
-    A packed tensor that dies -- the graph freed after backward, or dropped by an
-    exception in forward or backward -- first waits for its copies: nothing stays in
-    flight, nothing is held.
+    A copy the pool has no room for leaves the tensor on the device, and its bytes are
+    counted (``refused``): the budget says so. A packed tensor that dies -- the graph
+    freed after backward, or dropped by an exception in forward or backward -- first
+    waits for its copies: nothing stays in flight, nothing is held.
 O7. [ unpack checks versions ] A packed tensor checks at unpack that the tensor it was
     made from (or its base) was not written since, as autograd does: PyTorch's in-place
     error otherwise. One made from a tensor autograd would keep itself (a saved input,
@@ -50,10 +51,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._base.errors import inplace_error
 from .._base.torch_compat import storage_id, storage_use_count, without_python_dispatch, without_torch_function
 from .._save.pack import may_be_new_output
-from .hostpool import SLAB, HostBlock, HostPool
-from .streams import Backend, backend_for
+from .hostpool import HostBlock, HostPool
+from .streams import Backend, backend_for, backend_of
 
-__all__ = ["Offloader", "Offloaded", "HostCopy", "evict", "restore", "engines", "evicted_bytes"]
+__all__ = ["Offloader", "Offloaded", "HostCopy", "evict", "restore", "restore_offloaded", "engines", "evicted_bytes"]
 
 Tensor = torch.Tensor
 
@@ -222,21 +223,40 @@ class Offloader:
         self.plan: list[weakref.ref[HostCopy]] = []
         self.started = False
         self.in_flight = 0  # bytes fetched back and not yet served
-        self.slab = SLAB
+        self.expected = 0  # host bytes (footprints) the plans offload per step, at most
+        # bytes of copies the pool had no room for, since last asked
+        # (O6 [ host memory comes from the pool ])
+        self.refused = 0
 
     # -- plumbing
 
     def pool_of(self, backend: Backend) -> HostPool:
         pool = self.pools.get(id(backend))
         if pool is None:
-            pool = self.pools[id(backend)] = HostPool(backend, self.host_limit, self.slab)
+            pool = self.pools[id(backend)] = HostPool(backend, self.host_limit)
+            if self.expected:
+                pool.expect(self.expected)
         return pool
 
     def expect(self, nbytes: int) -> None:
-        """A plan will offload about ``nbytes`` per step: size new slabs for it."""
-        self.slab = min(max(nbytes, 1 << 20), SLAB)
+        """A plan will offload ``nbytes`` of host memory (footprints) per step: size the
+        pools' slabs for it (``_budget.hostpool`` H4 [ one slab for a bounded pool ])."""
+        self.expected = max(self.expected, nbytes) if self.host_limit is not None else nbytes
         for pool in self.pools.values():
-            pool.slab = self.slab if pool.limit is None else max(min(self.slab, pool.limit), 1)
+            pool.expect(nbytes)
+
+    def capacity(self, device: torch.device) -> float | None:
+        """Host bytes (footprints) the pool for ``device`` can hold at once; None where
+        tensors on ``device`` have nowhere to go."""
+        backend = backend_of(device)
+        return None if backend is None else self.pool_of(backend).capacity
+
+    def take_refused(self) -> int:
+        """Bytes of the copies the pool had no room for since the last call
+        (O6 [ host memory comes from the pool ])."""
+        with self.lock:
+            n, self.refused = self.refused, 0
+        return n
 
     def streams_of(self, backend: Backend, device: torch.device) -> tuple[Any, Any]:
         key = (id(backend), device)
@@ -315,7 +335,10 @@ class Offloader:
         with _Quiet():
             block = self.pool_of(backend).alloc(nbytes)
             if block is None:
-                return None  # no host room: the tensor stays on the device
+                # no host room: the tensor stays on the device
+                # (O6 [ host memory comes from the pool ])
+                self.refused += nbytes
+                return None
             src = _bytes_of(storage, device)
             # O2 [ copies out run on side streams ]: queried now
             ready = backend.record_event(backend.current_stream(device))
@@ -428,8 +451,14 @@ def restore(engine: Offloader, t: Tensor) -> bool:
     return True
 
 
-#: Every live engine (the freed-storage handler asks them all: ``_budget.budget``).
+#: Every live engine (the freed-storage handler asks them all).
 engines: weakref.WeakSet[Offloader] = weakref.WeakSet()
+
+
+def restore_offloaded(t: Tensor) -> bool:
+    """The freed-storage handler of every budget's engine
+    (O5 [ kept inputs are offloaded in place ]; registered by the package)."""
+    return any(restore(e, t) for e in list(engines))
 
 
 def evicted_bytes(t: Tensor) -> tuple[int, int]:

@@ -36,13 +36,16 @@ K6. [ kept values may be offloaded ] With a host budget, any floor item or chain
     candidate a prefix keeps may be offloaded instead: it leaves the device after
     forward and comes back before backward needs it. Offloaded bytes cost the transfer
     time that compute cannot hide: copies out overlap the forward, copies back the
-    backward (:meth:`Transfer.exposed`).
+    backward (:meth:`Transfer.exposed`). Host room is counted in the bytes each item
+    takes in host memory (``Item.host``: the pool's block for it, ``_budget.hostpool``
+    H2 [ a block's bytes as the plan counts them ]), against the bytes the pool can hold
+    (``Transfer.host``): an offload the plan makes is one the pool can place.
 K7. [ the prefix of least predicted time ] :func:`decide` takes, for every prefix of the
     chain, the bytes over the budget as offloaded (when the offloadable bytes and the
     host room suffice) and picks the prefix of least predicted time (recompute + exposed
     transfer); ties go to fewer offloaded bytes, then the longer prefix. Without a host
-    budget it is the prefix of K4 [ the longest prefix that fits ]. The offloaded items
-    are the earliest in forward order (their copies back have the most time).
+    budget it is K4 [ the longest prefix that fits ]'s prefix. The offloaded items are
+    the earliest in forward order (their copies back have the most time).
 K8. [ time never grows with the budget ] Predicted time never grows with the budget: a
     larger budget has every choice a smaller one has, and more.
 """
@@ -231,17 +234,33 @@ def choose(chain: Chain, floor: int, budget: int) -> tuple[int, bool]:
 @dataclass(frozen=True)
 class Item:
     """A storage on the device that may be offloaded (K6 [ kept values may be offloaded ]): its
-    bytes, its place in forward order, and whether it can be (a storage the engine can copy)."""
+    bytes, its place in
+    forward order, whether it can be (a storage the engine can copy), and the host bytes
+    it takes when offloaded (None: ``nbytes``).
+
+    Example::
+
+        >>> Item(100, 0).host_bytes, Item(100, 0, host=512).host_bytes
+        (100, 512)
+    """
 
     nbytes: int
     position: int
     offloadable: bool = True
+    host: int | None = None
+
+    @property
+    def host_bytes(self) -> int:
+        """The host bytes it takes when offloaded."""
+        return self.nbytes if self.host is None else self.host
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """The offload side of a plan (K6 [ kept values may be offloaded ]): copy rates (bytes/s),
-    the compute (seconds) that the copies out and back overlap, and the host bytes available."""
+    """The offload side of a plan (K6 [ kept values may be offloaded ]): copy rates (bytes/s), the
+    compute (seconds) that
+    the copies out and back overlap, and the host bytes available (counted as
+    ``Item.host_bytes``)."""
 
     to_host: float
     to_device: float
@@ -262,10 +281,12 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Decision:
-    """What a budget does (K7 [ the prefix of least predicted time ]): the chain prefix ``kept``
-    is not recomputed; of it and of the floor, ``offloaded_candidates`` and ``offloaded_floor``
-    (indices) are offloaded. ``device`` and ``host`` bytes after forward; predicted seconds of
-    ``recompute`` and of exposed ``transfer``; ``below``: the budget could not be met."""
+    """What a budget does (K7 [ the prefix of least predicted time ]): the chain prefix ``kept`` is
+    not recomputed; of it and of
+    the floor, ``offloaded_candidates`` and ``offloaded_floor`` (indices) are offloaded.
+    ``device`` and ``host`` bytes after forward (``host``: the items' ``host_bytes``);
+    predicted seconds of ``recompute`` and of exposed ``transfer``; ``below``: the budget
+    could not be met."""
 
     kept: int
     offloaded_candidates: frozenset[int]
@@ -314,11 +335,13 @@ def decide(
         elif transfer is not None and excess <= min(host, room[k]):
             bounds.append((chain.cost[k] + transfer.exposed(excess), -k, excess))
     bounds.sort(key=lambda b: (b[0], b[2], b[1]))
-    best: tuple[tuple[float, int, int], int, tuple[frozenset[int], frozenset[int], int]] | None = None
+    best: tuple[tuple[float, int, int], int, tuple[frozenset[int], frozenset[int], int, int]] | None = None
     for bound, neg_k, want in bounds:
         if best is not None and bound > best[0][0]:
             break
         picked = _pick(chain, candidates, floor, -neg_k, want, host)
+        if picked[2] < want:
+            continue  # the host room cannot take enough of them (K6 [ kept values may be offloaded ])
         exposed = transfer.exposed(picked[2]) if transfer is not None and picked[2] else 0.0
         key = (chain.cost[-neg_k] + exposed, picked[2], neg_k)
         if best is None or key < best[0]:
@@ -330,31 +353,33 @@ def decide(
         picked = _pick(chain, candidates, floor, k, want, host)
     else:
         _, k, picked = best
-    off_floor, off_cands, moved = picked
+    off_floor, off_cands, moved, held = picked
     device = floor_total + chain.nbytes[k] - moved
     exposed = transfer.exposed(moved) if transfer is not None and moved else 0.0
-    return Decision(k, off_cands, off_floor, device, moved, chain.cost[k], exposed, below or device > max(budget, 0))
+    return Decision(k, off_cands, off_floor, device, held, chain.cost[k], exposed, below or device > max(budget, 0))
 
 
 def _pick(
     chain: Chain, candidates: Sequence[Item], floor: Sequence[Item], k: int, want: int, host: float
-) -> tuple[frozenset[int], frozenset[int], int]:
-    """K7 [ the prefix of least predicted time ]: the earliest offloadable items in forward
-    order, until ``want`` bytes (within ``host``)."""
+) -> tuple[frozenset[int], frozenset[int], int, int]:
+    """K7 [ the prefix of least predicted time ]: the earliest offloadable items in forward order,
+    until ``want`` device bytes,
+    whose host bytes fit in ``host``: ``(floor items, candidates, device bytes, host bytes)``."""
     if want <= 0:
-        return frozenset(), frozenset(), 0
-    pool = [(item.position, 0, i, item.nbytes) for i, item in enumerate(floor) if item.offloadable and item.nbytes]
+        return frozenset(), frozenset(), 0, 0
+    pool = [(item.position, 0, i, item) for i, item in enumerate(floor) if item.offloadable and item.nbytes]
     for c in chain.order[:k]:
         cand = candidates[c]
         if cand.offloadable and cand.nbytes:
-            pool.append((cand.position, 1, c, cand.nbytes))
-    pool.sort()
+            pool.append((cand.position, 1, c, cand))
+    pool.sort(key=lambda p: p[:3])
     taken = [set(), set()]  # type: list[set[int]]
-    moved = 0
-    for _, kind, i, nbytes in pool:
+    moved = held = 0
+    for _, kind, i, item in pool:
         if moved >= want:
             break
-        if moved + nbytes <= host:
+        if held + item.host_bytes <= host:
             taken[kind].add(i)
-            moved += nbytes
-    return frozenset(taken[0]), frozenset(taken[1]), moved
+            moved += item.nbytes
+            held += item.host_bytes
+    return frozenset(taken[0]), frozenset(taken[1]), moved, held

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .._base.torch_compat import node_sequence_nr, sequence_nr
 from .._record import recorder as _recorder
 from .measure import storage_of
+from .offload import Offloader
 from .step import SaveSeen
 
-if TYPE_CHECKING:
-    from .run import Run
-
-__all__ = ["Region", "RegionPlan", "tensors_in"]
+__all__ = ["Region", "RegionPlan", "RegionRun", "tensors_in"]
 
 Tensor = torch.Tensor
 
@@ -37,6 +35,19 @@ class RegionPlan(NamedTuple):
 
     keys: tuple[Hashable, ...]
     offloaded: frozenset[int]
+
+
+class RegionRun(Protocol):
+    """What a region asks of its budget at run time (``_budget.run.Run`` offers it; the
+    run knows its regions, a region knows only this)."""
+
+    @property
+    def engine(self) -> Offloader | None:
+        """The offload engine (None: no offload)."""
+
+    def position(self) -> int:
+        """Where a save outside the scopes falls among the step's blocks
+        (N5 [ predicted seconds and peak ])."""
 
 
 def tensors_in(values: Any) -> list[Tensor]:
@@ -68,17 +79,19 @@ class Region:
     """The observer of one forward (S6 [ a region's saves go to its observer ]): it counts, and
     offloads what its plan says."""
 
-    __slots__ = ("budget", "occurrence", "seq0", "exclude", "saves", "keys", "plan", "params", "__weakref__")
+    __slots__ = ("budget", "occurrence", "seq0", "exclude", "saves", "keys", "plans", "params", "__weakref__")
 
-    def __init__(self, budget: Run, occurrence: int, module: torch.nn.Module, inputs: Any,
-                 plan: RegionPlan | None) -> None:  # fmt: skip
+    def __init__(self, budget: RegionRun, occurrence: int, module: torch.nn.Module, inputs: Any,
+                 plans: list[RegionPlan]) -> None:  # fmt: skip
         self.budget = weakref.ref(budget)
         self.occurrence = occurrence
         self.seq0 = sequence_nr()  # autograd nodes numbered from here are the forward's
         self.exclude = _storages(inputs) | _storages(list(module.buffers()))
         self.saves: list[SaveSeen] = []
         self.keys: list[Hashable] = []
-        self.plan = plan
+        # the plans of this occurrence whose structure agrees with the saves so far
+        # (M3 [ a plan follows its structure ])
+        self.plans = plans
         self.params: dict[int, tuple[int, int]] = {}  # parameters saved here: storage -> (position, bytes)
 
     def __call__(self, t: Tensor, may_take: bool) -> Any:
@@ -109,13 +122,14 @@ class Region:
         self.keys.append(key)
         name = type(g).__name__ if g is not None else "(no node)"
         self.saves.append(SaveSeen(where[0], where[1], budget.position(), name, self.occurrence, n))
-        plan = self.plan
-        if not may_take or plan is None or n not in plan.offloaded or budget._engine is None:
-            return None
-        if n >= len(plan.keys) or plan.keys[n] != key:
-            return None  # another structure: kept (M3 [ a plan follows its structure ])
-        return budget._engine.pack(t, ("region", self.occurrence, n))
+        plans = self.plans
+        if plans and (n >= len(plans[0].keys) or plans[0].keys[n] != key):
+            plans = self.plans = [p for p in plans if n < len(p.keys) and p.keys[n] == key]
+        engine = budget.engine
+        if not may_take or not plans or n not in plans[0].offloaded or engine is None:
+            return None  # (no plan of this structure: kept, M3 [ a plan follows its structure ])
+        return engine.pack(t, ("region", self.occurrence, n))
 
     def matches(self) -> bool:
-        """Whether what was saved has the structure its plan was made for."""
-        return self.plan is not None and tuple(self.keys) == self.plan.keys
+        """Whether what was saved has the structure of the plan it followed."""
+        return bool(self.plans) and self.plans[0].keys == tuple(self.keys)

@@ -4,7 +4,7 @@ engine (M1..M8 in ``_budget.budget``; ``Budget`` is the public face of a :class:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -22,7 +22,6 @@ from .planner import BlockGraph
 from .rates import rates_for
 from .region import Region, RegionPlan, tensors_in
 from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
-from .streams import offloadable
 
 # a region's entry pushes the pair, then opens the region
 # (I8 [ the main thread's pair, removed later ])
@@ -51,15 +50,18 @@ class Run:
     def __init__(self, nbytes: int, host: float | None) -> None:
         self.bytes = nbytes
         self.host = host
-        self._engine: Offloader | None = None
+        self.engine: Offloader | None = None  # (BlockRun, RegionRun)
         if host is not None:
-            self._engine = Offloader(None if host == float("inf") else int(host))
+            self.engine = Offloader(None if host == float("inf") else int(host))
         self.plans: dict[tuple[Hashable, int], list[Plan]] = {}
-        self.region_plans: dict[int, RegionPlan] = {}
+        # per occurrence, one per structure (M4 [ an ended step is planned ])
+        self.region_plans: dict[int, list[RegionPlan]] = {}
         self.graphs: dict[tuple[Hashable, Any], tuple[BlockGraph, Measured]] = {}
         self.step: list[BlockPlan] = []
         self.regions: list[Region] = []
         self.open_regions: list[Region] = []
+        # each open region's observer's remover (S6 [ a region's saves go to its observer ])
+        self._closers: dict[Region, Callable[[], None]] = {}
         # This step's saved block storages (address -> weak ref, block, group): an
         # address names a storage only while it is alive.
         self._storages: dict[int, tuple[StorageWeakRef, BlockPlan, Place]] = {}
@@ -83,8 +85,8 @@ class Run:
 
     def _starting(self) -> None:
         self.settle()
-        if not self.step and not self.regions and self._engine is not None:
-            self._engine.new_step()
+        if not self.step and not self.regions and self.engine is not None:
+            self.engine.new_step()
 
     def open_block(self, site: Hashable, record: BlockRecord, state: Any) -> BlockPlan:
         """The decision for a block entered at ``site`` (M1..M3)."""
@@ -101,24 +103,26 @@ class Run:
         pair goes on top, the region observes."""
         self._starting()
         occurrence = len(self.regions)
-        region = Region(self, occurrence, module, inputs, self.region_plans.get(occurrence))
+        region = Region(self, occurrence, module, inputs, list(self.region_plans.get(occurrence, ())))
         self.regions.append(region)
         self.open_regions.append(region)
         _interception.ensure_on_top(_interception.next_serial())
-        _pack.open_region(region)
+        self._closers[region] = _pack.open_region(region)
         return region
 
     def close_region(self, region: Region, output: Any) -> None:
         """The forward ends (also when it raised): the observer leaves; copies back start
         when backward reaches the output."""
-        _pack.close_region(region)
+        close = self._closers.pop(region, None)
+        if close is not None:
+            close()
         if region in self.open_regions:
             self.open_regions.remove(region)
         self.try_evictions()
         if not self.open_regions:  # what could not be offloaded by the end of forward stays
             self.pending, self.to_evict = {}, []
         _interception.sweep()
-        engine = self._engine
+        engine = self.engine
         if engine is None or output is None:
             return
         ref = weakref.ref(engine)
@@ -151,7 +155,7 @@ class Run:
         self.try_evictions()
 
     def try_evictions(self) -> None:
-        engine = self._engine
+        engine = self.engine
         if engine is None or not self.to_evict:
             return
         left = []
@@ -166,6 +170,12 @@ class Run:
             self.pending = {}
 
     # -- measuring (M3 [ a plan follows its structure ], M4 [ an ended step is planned ])
+
+    def saw_storage(self, ptr: int, storage: StorageWeakRef, block: BlockPlan, group: Place) -> None:
+        """``block``, measured, saved a tensor of storage ``ptr`` (its group ``group``):
+        a later block that keeps it for replay makes it free to store
+        (K2 [ a candidate is one storage ])."""
+        self._storages[ptr] = (storage, block, group)
 
     def kept_for_replay(self, bp: BlockPlan) -> None:
         """``bp`` closed keeping ``bp.inputs`` for replay: saved storages of earlier
@@ -185,6 +195,17 @@ class Run:
             self.graphs[key] = (g, m)
 
     def end_step(self) -> None:
+        refused = self.engine.take_refused() if self.engine is not None else 0
+        if refused:
+            host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
+            self.warn_once(
+                "refused",
+                f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
+                f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
+                "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
+                "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
+                "step, or give offload= more bytes.",
+            )
         blocks = [bp for bp in self.step if bp.keys is not None]
         regions = self.regions
         self.step, self.regions, self._storages, self.occurrences = [], [], {}, {}
@@ -233,9 +254,9 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
     saves: list[SaveSeen] = [s for r in regions for s in r.saves]
     exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
     device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")
-    host = self.host
-    if host is not None and not offloadable(device):
-        host = None
+    # K6 [ kept values may be offloaded ]: the pool's bytes
+    host = self.engine.capacity(device) if self.engine is not None else None
+    if self.engine is not None and host is None:
         self.warn_once(
             "cpu",
             f"gradient_scope: Budget(offload=...) changes nothing here: the tensors are on the {device.type}, "
@@ -249,10 +270,12 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
         new = Plan(bp.keys, choice.chosen, choice.offloaded, choice.hold, choice.evict, choice.whole)  # type: ignore[arg-type]
         self.plans[key] = [*kept, new]
     for r in regions:
-        self.region_plans[r.occurrence] = RegionPlan(tuple(r.keys), plan.regions.get(r.occurrence, frozenset()))
+        keys = tuple(r.keys)
+        others = [p for p in self.region_plans.get(r.occurrence, []) if p.keys != keys]
+        self.region_plans[r.occurrence] = [*others, RegionPlan(keys, plan.regions.get(r.occurrence, frozenset()))]
     self.result = plan
-    if self._engine is not None and plan.host:
-        self._engine.expect(plan.host)
+    if self.engine is not None and plan.host:
+        self.engine.expect(plan.host)
     if plan.below:
         self.warn_once(
             "floor",

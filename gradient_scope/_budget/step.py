@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .curve import CurvePoint, StoredOp
+from .hostpool import footprint
 from .measure import Measured
 from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide
 from .rates import Rates
@@ -132,14 +133,14 @@ def _collect(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], 
             it.real[len(it.cands)] = sizes[group]
             position = (2 * b + 1) * _SPAN + len(it.cands)
             it.cands.append(Candidate(b, tuple(vals), nbytes))
-            it.cand_items.append(Item(nbytes, position, offload and nbytes > 0))
+            it.cand_items.append(Item(nbytes, position, offload and nbytes > 0, footprint(nbytes)))
     where: dict[int, int] = {}
     saved_ptrs = {s.ptr for s in saves}
     for n, s in enumerate(saves):
         if s.ptr in exclude or s.ptr in where:
             continue
         where[s.ptr] = len(it.floor)
-        it.floor.append(Item(s.nbytes, s.position, offload))
+        it.floor.append(Item(s.nbytes, s.position, offload, footprint(s.nbytes)))
         it.floor_ptrs.append(s.ptr)
         it.floor_kind.append((-1, n))
     for b, bs in enumerate(blocks):
@@ -150,11 +151,11 @@ def _collect(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], 
                 i = where[ptr]
                 # N2 [ a storage with two holders ]: two holders
                 if it.floor_kind[i][0] == -1 and it.floor[i].offloadable:
-                    it.floor[i] = Item(it.floor[i].nbytes, it.floor[i].position, False)
+                    it.floor[i] = replace(it.floor[i], offloadable=False)
                 continue
             where[ptr] = len(it.floor)
             ok = offload and ptr not in bs.rng and ptr not in saved_ptrs and ptr not in bs.views
-            it.floor.append(Item(nbytes, (2 * b + 1) * _SPAN - _SPAN // 2 + j, ok))
+            it.floor.append(Item(nbytes, (2 * b + 1) * _SPAN - _SPAN // 2 + j, ok, footprint(nbytes)))
             it.floor_ptrs.append(ptr)
             it.floor_kind.append((b, j))
     return it
@@ -271,8 +272,9 @@ def _at(chain: Chain, it: _Items, budget: int, transfer: Transfer | None) -> _Ev
 def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], budget: int,
               host: float | None, rates: Rates, model_level: bool,
               params: list[tuple[int, int]] | None = None) -> StepPlan:  # fmt: skip
-    """M4 [ an ended step is planned ]: plan a finished step (see the module docstring).
-    ``host``: bytes the budget may offload (None: no offload)."""
+    """M4 [ an ended step is planned ]: plan a finished step (see the module docstring). ``host``:
+    the host bytes the
+    budget's pool can hold (its capacity, ``_budget.hostpool``; None: no offload)."""
     it = _collect(blocks, saves, exclude, host is not None)
     chain = build_chain([bs.graph for bs in blocks], it.cands)
     forward = sum(sum(bs.graph.costs) for bs in blocks)

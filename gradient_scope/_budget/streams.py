@@ -9,7 +9,9 @@
   queues its operations and runs them only when something waits for them (an event
   waited on, queried or synchronised), the latest a real copy could finish. A missing
   wait therefore reads what a fresh device buffer holds, all bits set (NaN for floats),
-  and a copy whose source died before it ran (no ``record_stream``) raises.
+  and a copy whose source died before it ran (no ``record_stream``) raises. Its
+  "pinned" allocations are sized as CUDA's caching host allocator reserves them (a
+  power of two): :meth:`HostCopyStandIn.pinned_bytes` is what the host really holds.
 
 :func:`backend_for` picks the backend of a tensor: CUDA for CUDA tensors, the stand-in
 for CPU tensors while :func:`host_copy_stand_in` is active, else None (nowhere to go).
@@ -27,7 +29,15 @@ import torch
 
 from .._base.torch_compat import without_python_dispatch, without_torch_function
 
-__all__ = ["Backend", "CudaBackend", "HostCopyStandIn", "backend_for", "host_copy_stand_in", "offloadable"]
+__all__ = [
+    "Backend",
+    "CudaBackend",
+    "HostCopyStandIn",
+    "backend_for",
+    "backend_of",
+    "host_copy_stand_in",
+    "offloadable",
+]
 
 Tensor = torch.Tensor
 
@@ -43,6 +53,9 @@ class Backend(Protocol):
     def done(self, event: Any) -> bool: ...
     def synchronize(self, event: Any) -> None: ...
     def record_stream(self, t: Tensor, stream: Any) -> None: ...
+    def pinned_size(self, nbytes: int) -> int:
+        """The bytes a pinned host allocation of ``nbytes`` really reserves."""
+
     def host_empty(self, nbytes: int) -> Tensor: ...
     def device_empty(self, nbytes: int, device: torch.device) -> Tensor: ...
     def copy(self, dst: Tensor, src: Tensor) -> None: ...
@@ -77,6 +90,12 @@ class CudaBackend:
 
     def record_stream(self, t: Tensor, stream: Any) -> None:
         t.record_stream(stream)
+
+    def pinned_size(self, nbytes: int) -> int:
+        # The caching host allocator rounds every pinned allocation up to a power of two
+        # (its default: no ``pinned_max_round_threshold``; above one set, sizes are not
+        # rounded and this overcounts, never under).
+        return _power_of_two(nbytes)
 
     def host_empty(self, nbytes: int) -> Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -159,6 +178,7 @@ class HostCopyStandIn:
         self.compute = _FakeStream(deferred=False)
         self.copies = 0
         self.streams: list[weakref.ref[_FakeStream]] = []
+        self.host: list[weakref.ref[Tensor]] = []  # host_empty's allocations
 
     def _current(self) -> _FakeStream:
         return getattr(self._tls, "stream", None) or self.compute
@@ -199,8 +219,19 @@ class HostCopyStandIn:
         if stream.deferred:
             stream.kept.append((stream.ran + len(stream.queue), t))
 
+    def pinned_size(self, nbytes: int) -> int:
+        return _power_of_two(nbytes)  # as CUDA's pinned allocations
+
     def host_empty(self, nbytes: int) -> Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self.host.append(weakref.ref(t))
+        return t
+
+    def pinned_bytes(self) -> int:
+        """The bytes its "pinned" allocations alive now reserve, rounded as CUDA's are:
+        what the host really holds for the pool."""
+        self.host = [r for r in self.host if r() is not None]
+        return sum(self.pinned_size(t.numel()) for t in (r() for r in self.host) if t is not None)
 
     def device_empty(self, nbytes: int, device: torch.device) -> Tensor:
         return torch.full((nbytes,), 255, dtype=torch.uint8)  # what a fresh buffer may hold
@@ -238,6 +269,10 @@ class HostCopyStandIn:
         return sum(len(s.queue) for s in (r() for r in self.streams) if s is not None)
 
 
+def _power_of_two(nbytes: int) -> int:
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
+
+
 _stand_in: list[HostCopyStandIn] = []
 _cuda = CudaBackend()
 
@@ -253,7 +288,16 @@ def backend_for(t: Tensor) -> Backend | None:
 
 def offloadable(device: torch.device) -> bool:
     """Whether tensors on ``device`` have somewhere to go."""
-    return device.type == "cuda" or (bool(_stand_in) and device.type == "cpu")
+    return backend_of(device) is not None
+
+
+def backend_of(device: torch.device) -> Backend | None:
+    """The backend that can offload tensors on ``device``, or None."""
+    if device.type == "cuda":
+        return _cuda
+    if _stand_in and device.type == "cpu":
+        return _stand_in[-1]
+    return None
 
 
 @contextlib.contextmanager

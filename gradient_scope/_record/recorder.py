@@ -180,9 +180,16 @@ _tls = threading.local()
 _close_listeners: list[Callable[[BlockRecord], None]] = []
 
 
-def add_close_listener(fn: Callable[[BlockRecord], None]) -> None:
-    """Call ``fn(record)`` when a block closes normally (an adapter's clean-up)."""
+def add_close_listener(fn: Callable[[BlockRecord], None]) -> Callable[[], None]:
+    """Call ``fn(record)`` when a block closes normally (an adapter's clean-up).
+    Returns a function that removes it."""
     _close_listeners.append(fn)
+
+    def remove() -> None:
+        if fn in _close_listeners:
+            _close_listeners.remove(fn)
+
+    return remove
 
 
 def open_block(record: BlockRecord, owner: BlockOwner, frame: Frame) -> OpenBlock:

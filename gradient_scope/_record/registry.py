@@ -84,9 +84,16 @@ def ledger() -> Ledger:
 _empty_listeners: list[Callable[[Ledger], None]] = []
 
 
-def add_empty_listener(fn: Callable[[Ledger], None]) -> None:
-    """Call ``fn(ledger)`` whenever a ledger's live count drops to 0 (invariant 3)."""
+def add_empty_listener(fn: Callable[[Ledger], None]) -> Callable[[], None]:
+    """Call ``fn(ledger)`` whenever a ledger's live count drops to 0 (invariant 3).
+    Returns a function that removes it."""
     _empty_listeners.append(fn)
+
+    def remove() -> None:
+        if fn in _empty_listeners:
+            _empty_listeners.remove(fn)
+
+    return remove
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]

@@ -37,10 +37,17 @@ Key = tuple[Var, int]  # a value: (var, number of its group's writes applied)
 _freed_storage_handlers: list[Callable[[Tensor], bool]] = []
 
 
-def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> None:
+def add_freed_storage_handler(fn: Callable[[Tensor], bool]) -> Callable[[], None]:
     """Register ``fn(tensor) -> bool``, asked (in order) to bring back the freed
-    storage of an outside tensor a replay is about to read; True if it did."""
+    storage of an outside tensor a replay is about to read; True if it did. Returns a
+    function that removes it."""
     _freed_storage_handlers.append(fn)
+
+    def remove() -> None:
+        if fn in _freed_storage_handlers:
+            _freed_storage_handlers.remove(fn)
+
+    return remove
 
 
 def restore_freed(t: Tensor) -> bool:

@@ -85,7 +85,7 @@ from .._record import recorder as _recorder
 from .._record import registry as _registry
 from . import pack as _pack
 
-__all__ = ["ensure_on_top", "sweep", "next_serial", "add_unsafe_file"]
+__all__ = ["ensure_on_top", "sweep", "next_serial", "add_unsafe_file", "on_empty"]
 
 _serials = itertools.count(1)
 
@@ -418,10 +418,13 @@ def add_unsafe_file(path: str) -> None:
     _unsafe_files.add(path)
 
 
-def _on_empty(lg: _registry.Ledger) -> None:
+def on_empty(lg: _registry.Ledger) -> None:
+    """The registry's empty-ledger listener (registered by the package): the last block
+    tensor of ``lg`` died, so our pair may leave the stack
+    (I4 [ stacks edited at safe points only ], I8 [ the main thread's pair, removed later ])."""
     # Called where the last tensor died: any thread, any point
-    # (I4 [ stacks edited at safe points only ]). Died in another thread than the ledger's: the
-    # main thread sweeps at its next bytecode boundary
+    # (I4 [ stacks edited at safe points only ]). Died in another
+    # thread than the ledger's: the main thread sweeps at its next bytecode boundary
     # (I8 [ the main thread's pair, removed later ]).
     if lg.ident == threading.get_ident():
         sweep()
@@ -442,6 +445,3 @@ def _sweep_main() -> None:
         call_in_main_thread(_sweep_main)
         return
     sweep()
-
-
-_registry.add_empty_listener(_on_empty)

@@ -84,7 +84,6 @@ __all__ = [
     "new_handle",
     "store_as_usual",
     "open_region",
-    "close_region",
     "regions_open",
 ]
 
@@ -158,24 +157,23 @@ class sequencing:
 _regions = threading.local()
 
 
-def open_region(observer: Callable[[Tensor, bool], Any]) -> None:
+def open_region(observer: Callable[[Tensor, bool], Any]) -> Callable[[], None]:
     """A model region opens in this thread: ``observer(t, may_take)`` sees each tensor
-    that is not a block's saved from now on until :func:`close_region`, and returns
-    what it packs it into (it offloads it; only when ``may_take``) or None
-    (S6 [ a region's saves go to its observer ])."""
+    that is not a block's saved from now on until the returned function closes the
+    region, and returns what it packs it into (it offloads it; only when ``may_take``)
+    or None (S6 [ a region's saves go to its observer ]). Regions may close out of order."""
     stack = getattr(_regions, "stack", None)
     if stack is None:
         stack = _regions.stack = []
     stack.append(observer)
 
+    def close() -> None:
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is observer:
+                del stack[i]
+                return
 
-def close_region(observer: Callable[[Tensor, bool], Any]) -> None:
-    """The region of ``observer`` closes (regions may close out of order)."""
-    stack = getattr(_regions, "stack", None) or []
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is observer:
-            del stack[i]
-            return
+    return close
 
 
 def regions_open() -> bool:
