@@ -3,7 +3,10 @@ out of order, invalid options, an exception in the block, an exception during re
 replay of a different shape, a debug=True value mismatch, a dispatch mode left open in a
 block, a copy of a scope inside its own block.  After each: global state as found (the
 saved-tensor hook stack, the dispatch mode stack, grad mode, ...), and a later training
-step gives the plain program's results."""
+step gives the plain program's results.
+
+The wording of the messages is checked in ``test_error_messages.py``; that of the option
+errors (types, positional arguments, misspelled names) in ``test_scope_options.py``."""
 
 import contextlib
 import copy
@@ -24,7 +27,6 @@ from support import (
     assert_interception_gone,
     assert_stacks_clean,
     dispatch_depth,
-    global_state,
     stat,
     top_hooks,
 )
@@ -95,20 +97,36 @@ def after_check():
 # re-entering, exiting out of order
 
 
-def test_enter_same_scope_twice():
-    a = torch.randn(3, requires_grad=True)
+def test_entering_an_open_scope_again_raises():
+    """Re-entering a scope inside its own block raises there and changes nothing: caught in
+    the block, the block goes on and its tensors give the plain gradients; let through,
+    it closes the block; either way the object can be entered again afterwards."""
     s = recompute_scope()
+    a = torch.randn(4, requires_grad=True)
+    with s:
+        x = a.sin()
+        with pytest.raises(RuntimeError):
+            with s:
+                pass
+        y = x.exp()  # the outer block still works
+    z = (y * x).sum()
+    del x, y
+    z.backward()
+    a2 = a.detach().clone().requires_grad_()
+    x2 = a2.sin()
+    (x2.exp() * x2).sum().backward()
+    assert torch.equal(a.grad, a2.grad)
     with pytest.raises(RuntimeError):
         with s:
             x = a.exp()
             with s:
                 pass
-    # a fresh use of the same object afterwards is fine
-    with s:
+    a.grad = None
+    with s:  # a fresh use of the same object
         y = a.sin()
     (y * y).sum().backward()
     assert torch.equal(a.grad, (2 * a.sin() * a.cos()).detach())
-    del x, y
+    del x, y, z
     after_check()
 
 
@@ -125,26 +143,28 @@ def test_enter_same_scope_twice_as_decorator_object():
     after_check()
 
 
-def test_exit_out_of_order():
-    a = torch.randn(3, requires_grad=True)
+def test_exiting_out_of_order_raises():
+    """A wrong-order exit raises and changes nothing: ops run after it, with both scopes
+    still open, give the plain gradients, and the right order still closes them."""
     s1, s2 = recompute_scope(), recompute_scope()
+    a = torch.randn(4, requires_grad=True)
     s1.__enter__()
-    x = a.exp()
+    x = a.sin()
     s2.__enter__()
-    y = x.sin()
+    y = x.exp()
     with pytest.raises(RuntimeError):
         s1.__exit__(None, None, None)
-    # the failed exit changed nothing: the right order still works
+    # the failed call changed nothing: s2 is still innermost, then s1
+    z = y * x
     s2.__exit__(None, None, None)
     s1.__exit__(None, None, None)
-    loss = (x * y).sum()
     del x, y
-    loss.backward()
-    x = a.exp()
-    expect = (x * x.sin()).sum()
-    (g,) = torch.autograd.grad(expect, a)
-    assert torch.equal(a.grad, g)
-    del loss, expect, x
+    z.sum().backward()
+    a2 = a.detach().clone().requires_grad_()
+    x2 = a2.sin()
+    (x2.exp() * x2).sum().backward()
+    assert torch.equal(a.grad, a2.grad)
+    del z
     after_check()
 
 
@@ -180,55 +200,6 @@ def test_exit_inner_after_outer_with_decorator():
     after_check()
 
 
-def test_entering_same_scope_twice_raises():
-    """Re-entering an active scope raises inside its block; the outer block goes on and
-    its tensors give the plain gradients."""
-    before = global_state()
-    s = recompute_scope()
-    a = torch.randn(4, requires_grad=True)
-    with s:
-        x = a.sin()
-        with pytest.raises(RuntimeError):
-            with s:
-                pass
-        y = x.exp()  # the outer block still works
-    z = (y * x).sum()
-    del x, y
-    z.backward()
-    a2 = a.detach().clone().requires_grad_()
-    x2 = a2.sin()
-    (x2.exp() * x2).sum().backward()
-    assert torch.equal(a.grad, a2.grad)
-    del z
-    assert_interception_gone(before)
-
-
-def test_exiting_out_of_order_raises():
-    """A wrong-order exit raises and changes nothing: ops run after it, with both scopes
-    still open, give the plain gradients."""
-    before = global_state()
-    s1, s2 = recompute_scope(), recompute_scope()
-    a = torch.randn(4, requires_grad=True)
-    s1.__enter__()
-    x = a.sin()
-    s2.__enter__()
-    y = x.exp()
-    with pytest.raises(RuntimeError):
-        s1.__exit__(None, None, None)
-    # the failed call changed nothing: s2 is still innermost, then s1
-    z = y * x
-    s2.__exit__(None, None, None)
-    s1.__exit__(None, None, None)
-    del x, y
-    z.sum().backward()
-    a2 = a.detach().clone().requires_grad_()
-    x2 = a2.sin()
-    (x2.exp() * x2).sum().backward()
-    assert torch.equal(a.grad, a2.grad)
-    del z
-    assert_interception_gone(before)
-
-
 # ----------------------------------------------------------------------------------------
 # invalid options
 
@@ -261,12 +232,6 @@ def test_invalid_options(kwargs):
         def f(x):
             return x
 
-    after_check()
-
-
-def test_positional_option_rejected():
-    with pytest.raises(TypeError):
-        recompute_scope(True)
     after_check()
 
 
@@ -338,12 +303,15 @@ def test_exception_during_replay():
     after_check()
 
 
-def test_replay_different_shape():
+@pytest.mark.parametrize("debug", [False, True])
+def test_replay_different_shape(debug):
+    """A replay that makes another shape raises, whatever the debug option (shapes are
+    always checked), naming the op and the recorded shape."""
     SHAPE["n"] = 4
     x = torch.randn(6)
     w = torch.randn(4, requires_grad=True)
-    with recompute_scope():
-        y = shapey(x)
+    with recompute_scope(debug=debug):
+        y = shapey(x).exp()  # the op of another shape is not the block's last
     z = (y * w).sum()
     del y
     SHAPE["n"] = 3  # the replay now produces a tensor of another shape
@@ -356,25 +324,6 @@ def test_replay_different_shape():
     assert "shapey" in msg, msg
     assert "[4]" in msg or "(4" in msg or "4]" in msg, msg
     del info, z
-    after_check()
-
-
-def test_replay_different_shape_shape_checked_without_debug():
-    """Shape is always checked, whatever the debug option."""
-    SHAPE["n"] = 5
-    x = torch.randn(6)
-    w = torch.randn(5, requires_grad=True)
-    with recompute_scope(debug=False):
-        y = shapey(x).exp()
-    z = (y * w).sum()
-    del y
-    SHAPE["n"] = 6
-    try:
-        with pytest.raises(RecomputeError):
-            z.backward()
-    finally:
-        SHAPE["n"] = 4
-    del z
     after_check()
 
 
