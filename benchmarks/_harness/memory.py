@@ -21,7 +21,7 @@ cannot report the free of a block allocated before it started. (This is the meth
 hooks are no option as a probe, gradient_scope itself is built on them.) The profiler
 slows every op down, so steps are timed in separate, unprofiled runs.
 
-``tests/test_bench_memory.py`` validates the CPU probe on known allocation patterns.
+``tests/bench/test_bench_memory.py`` validates the CPU probe on known allocation patterns.
 
 **Why the profiler's private ``prof.profiler.kineto_results``.** The peak needs every
 allocation and free with its own timestamp, and no public route keeps them:
@@ -42,7 +42,7 @@ allocation and free with its own timestamp, and no public route keeps them:
 
 So the probe reads the raw records (``name``, ``start_ns``, ``nbytes``, ``device_type``)
 in :func:`profile_cpu_memory`, the one place that touches them;
-``tests/test_bench_memory.py::test_public_profiler_events_lose_the_peak`` fails the day
+``tests/bench/test_bench_memory.py::test_public_profiler_events_lose_the_peak`` fails the day
 ``prof.events()`` keeps what the peak needs.
 """
 

@@ -15,7 +15,7 @@ import torch
 __all__ = ["REQUIRED_API", "TORCH_FLOOR", "check_torch"]
 
 # The oldest torch (major, minor) the test suite has run on. pyproject.toml declares the
-# same floor in its dependencies; tests/test_package.py checks that the two agree.
+# same floor in its dependencies; tests/package/test_package.py checks that the two agree.
 TORCH_FLOOR = (2, 8)
 
 # The private torch API that sets the floor.

@@ -9,7 +9,7 @@ variable, each op one call of its kernel with its arguments written out, each ch
 inline, and a ``del`` where the interpreter would free. What differs between records
 of one structure is read from the record when the function runs: its op records (plain
 arguments, RNG states) and its refs (the values loaded). The code does what the
-interpreter does, in the same order (``tests/test_replay_code.py`` runs both).
+interpreter does, in the same order (``tests/restore/test_replay_code.py`` runs both).
 
 RULES C1..C2: when a replay program is compiled, and what its code depends on.
 

@@ -17,7 +17,7 @@ second source lives with the first: the template and the binding in ``_record``
 
 How the steady state mirrors each record-time rule (``_record.entry``): a steady run's
 record must be what recording the run would have made, so each rule is either held by
-a steady rule or cannot arise in a steady run (checked: ``tests/test_rule_citations.py``).
+a steady rule or cannot arise in a steady run (checked: ``tests/package/test_rule_citations.py``).
 
 - R1 [ a written input is copied ] -- T1 [ one plain block ]: no outside tensor of a
   template is written; a run that writes one has no template and is always recorded.
