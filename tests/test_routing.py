@@ -123,6 +123,17 @@ def test_routing_ops_are_kept_always_and_dispatch_ops_are_not():
         (aten._to_copy.default, (x,)),  # host to host
     ]:
         assert not kept_always(facts(op), args, {}), op
+    # A copy from a device to the host is a value read to the host; the other way is not.
+    # (Fake tensors: a "cuda" tensor without a GPU.)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        dev, host = torch.empty(3, device="cuda"), torch.empty(3)
+    cpu = torch.device("cpu")
+    assert kept_always(facts(aten._to_copy.default), (dev,), {"device": cpu})
+    assert kept_always(facts(aten.copy_.default), (host, dev), {})
+    assert not kept_always(facts(aten.copy_.default), (dev, host), {})
+    assert not kept_always(facts(aten._to_copy.default), (host,), {"device": "cuda"})
 
 
 @pytest.mark.parametrize("moe", [DispatchMoE, DenseMoE])
@@ -137,8 +148,6 @@ def test_moe_gradients_equal_plain_and_the_routing_is_stored(moe):
     # The indices top-k saved are stored by autograd; nothing of the router is replayed for them.
     for row in _routing_rows(report):
         assert row.activation_bytes > 0 and row.recomputable_bytes == 0, row
-    if moe is DispatchMoE:
-        assert report.rows  # argsort's indices feed the dispatch as kept inputs, not replays
     stats = gradient_scope.model_stats(model)
     assert stats.replays > 0  # the experts are recomputed
 
