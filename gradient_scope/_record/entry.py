@@ -9,14 +9,16 @@ R1. A block never holds a tensor whose storage it wrote to: an Input written
     storage is copied too.)
 R2. Outputs of ops a ``save=`` policy keeps, of collectives and of higher-order
     ops are not recorded: they are ordinary tensors, stored by autograd.
-    An op that writes to an argument is always recorded. Ops whose outputs decide
-    shapes or routing (top-k and sort indices, nonzero, bincount, unique, values
-    read to the host: ``_base.ops.kept_always``) are not recorded either, whatever
-    ``save=`` says: a replay could choose differently from forward (a tie broken
-    another way, an input written unseen), and the ops they feed would replay
-    another routing than the one the gradients flow through. Ops that read their
-    outputs (a MoE's dispatch and combine) are recorded and read them as outside
-    tensors (kept: R5's Inputs).
+    A ``save=`` policy never keeps an op that writes to an argument. Ops whose
+    outputs decide shapes or routing (top-k and sort indices, nonzero, bincount,
+    unique, values read to the host: ``_base.ops.kept_always``) are not recorded
+    either, whatever ``save=`` says: a replay could choose differently from
+    forward (a tie broken another way, an input written unseen), and the ops they
+    feed would replay another routing than the one the gradients flow through.
+    Ops that read their outputs (a MoE's dispatch and combine) are recorded and
+    read them as outside tensors, which the record keeps (a budget counts them as
+    kept bytes). The writes of an unrecorded op (a collective's, an ``out=``
+    variant's) cannot be replayed (R10).
 R3. Ops of a backward pass that runs inside an open block belong to that pass,
     not to the block; ops under ``no_grad`` in the block (an
     ``autograd.Function`` forward) belong to the block.
