@@ -288,3 +288,21 @@ def test_compiled_scopes_store_the_routing_too():
     finally:
         torch._dynamo.reset()
     assert_all_same(scoped, plain)
+
+
+def test_a_compiled_budget_counts_the_stored_routing_in_its_floor():
+    from conftest import pinned_cpu_rates
+
+    x = torch.randn(T, D, requires_grad=True)
+    routing = 2 * T * K * (4 + 8)  # top-k's values and indices in the two blocks
+    model = _net(DenseMoE)
+    b = Budget(0)
+    apply_recompute(model, check_fn=DenseMoE, budget=b)
+    try:
+        with pinned_cpu_rates(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (below the floor, on purpose)
+            torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum().backward()
+            floor = b.floor_bytes
+    finally:
+        torch._dynamo.reset()
+    assert floor >= routing, (floor, routing)
