@@ -268,7 +268,10 @@ def apply_recompute(
             ``"LlamaDecoderLayer"``; a dotted name against
             ``module.qualname``; a tuple may mix names and classes). When
             it matches no module, a ``UserWarning`` says so and nothing is
-            changed.
+            changed; a name in a tuple that matches nothing while the model
+            has a class name near it warns too (a misspelling). A module
+            instance (not its class) raises ``TypeError`` before any module
+            runs.
         every_n_layers: scope the matches 0, n, 2n, ... in ``model.modules()``
             order (1, the default: every match).
         **scope_options: options of each scope (``save=``,

@@ -122,7 +122,11 @@ class recompute_scope:
             drew in forward (default True). False skips the state capture.
         save: ops whose outputs are stored rather than recomputed: an iterable
             of ops (``torch.ops.aten.mm`` or ``torch.ops.aten.mm.default``) or a
-            callable ``save(op) -> bool``.
+            callable ``save(op) -> bool``. Whatever it says (and whatever a
+            budget plans), the outputs of ops that decide shapes or routing are
+            always stored: top-k and sort indices, ``argmax``, ``nonzero``,
+            ``bincount``, ``unique``, ``searchsorted``, values read to the host,
+            collectives (a MoE's router is never replayed differently).
         enabled: False makes the block a plain no-op block.
         debug: compare each recomputed value with what forward computed and
             raise :class:`RecomputeError` naming the op on a mismatch. Without

@@ -38,7 +38,25 @@ def _matches_name(name: str) -> Callable[[nn.Module], bool]:
     return lambda m: _class_names(type(m))[1 if dotted else 0] == name
 
 
+def _instance_error(module: nn.Module, in_tuple: bool) -> TypeError:
+    """A module instance passed where a class or predicate belongs (callable, it would be
+    called with each module as its input, running its forward on a module)."""
+    cls = type(module).__name__
+    what = (
+        f"check_fn holds a module instance ({cls}) where a class or class name belongs"
+        if in_tuple
+        else f"check_fn is a module instance ({cls}), not a class or a predicate: it would be "
+        "called with each module as its input"
+    )
+    return TypeError(
+        f"apply_recompute: {what}. Pass its class (check_fn={cls}), its class name "
+        f"(check_fn={cls!r}), or, to scope this one module, check_fn=lambda m: m is module."
+    )
+
+
 def _item(item: Any) -> Callable[[nn.Module], bool]:
+    if isinstance(item, nn.Module):
+        raise _instance_error(item, True)
     if isinstance(item, str):
         return _matches_name(item)
     if isinstance(item, (type, types.UnionType)):
@@ -56,6 +74,8 @@ def selector(check_fn: Any) -> Callable[[nn.Module], bool]:
     if isinstance(check_fn, tuple):
         tests = [_item(item) for item in check_fn]
         return lambda m: any(test(m) for test in tests)
+    if isinstance(check_fn, nn.Module):
+        raise _instance_error(check_fn, False)
     if not callable(check_fn):
         raise TypeError(
             "apply_recompute: check_fn must be a predicate module -> bool "
@@ -93,6 +113,21 @@ def _near_names(model: nn.Module, check_fn: Any) -> str:
     return f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
 
 
+def _unmatched_names(model: nn.Module, check_fn: tuple[Any, ...]) -> None:
+    """Warn, as for a lone name that matched nothing, for each name of a tuple that
+    matched no module while other items did, if the model has a class name near it: a
+    misspelling. (A name with no near class name may be meant for another model.)"""
+    for name in dict.fromkeys(x for x in check_fn if isinstance(x, str)):
+        match = _matches_name(name)
+        hint = _near_names(model, name)
+        if hint and not any(match(m) for m in model.modules()):
+            warn_user(
+                f"apply_recompute: check_fn item {name!r} matched no module of {type(model).__name__}; "
+                "the modules the other items matched are scoped. Pass the class name as "
+                f"type(module).__name__ spells it (or the class itself).{hint}"
+            )
+
+
 def choose(model: nn.Module, check_fn: Any, every_n_layers: int) -> list[tuple[str, nn.Module]]:
     """The ``(path, module)`` pairs to scope, in ``model.modules()`` order; warns (at the
     user's line) when nothing matches, and when the default ``check_fn`` scopes a module
@@ -107,6 +142,8 @@ def choose(model: nn.Module, check_fn: Any, every_n_layers: int) -> list[tuple[s
             f"their class (e.g. check_fn=Block) or its name (check_fn='Block').{hint}"
         )
         return []
+    if isinstance(check_fn, tuple):
+        _unmatched_names(model, check_fn)
     if check_fn is every_module and next(model.children(), None) is not None:
         name = type(model).__name__
         warn_user(

@@ -1,14 +1,17 @@
 """Op facts: what an op writes, which outputs alias which argument, whether it
-draws random numbers, and whether it may be replayed at all. One place; cached
-per ``OpOverload``."""
+draws random numbers, and whether it may be replayed at all (collectives, and the ops
+whose outputs decide shapes or routing: :func:`kept_always`). One place; cached per
+``OpOverload``."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .torch_compat import SEEDED_TAG, get_alias_info, op_schema, overload_kernel
 
-__all__ = ["OpFacts", "facts", "NEW", "INPLACE", "VIEW"]
+__all__ = ["OpFacts", "facts", "kept_always", "NEW", "INPLACE", "VIEW"]
 
 #: Output kinds: a fresh tensor, an argument the op wrote and returns, a view
 #: of an argument.
@@ -46,6 +49,42 @@ _HIDDEN_VIEWS = frozenset(
 # Collectives replayed in backward can hang or corrupt data when ranks replay
 # in different orders: their outputs are stored, never recomputed.
 _NEVER_REPLAY_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+
+# Ops whose outputs decide shapes or routing: which elements a selection or an ordering
+# picked, where the nonzeros are, counts and buckets, unique values, values read to the
+# host (``.item()``, ``.tolist()``). Besides these, every aten op with a return named
+# ``indices`` (topk, sort, max.dim, min.dim, kthvalue, mode, median.dim, cummax, ...).
+# A replay of one may choose differently from forward (a tie broken another way, an
+# input written unseen) and the ops it feeds (a MoE's dispatch and combine) would then
+# route differently, or take another shape, than the forward the gradients flow through:
+# their outputs are stored, never recomputed (R2 [ kept ops are not recorded ] in
+# ``_record.entry``), whatever a
+# ``save=`` policy says. They are small: indices and counts, not activations.
+_ROUTING = frozenset(
+    {
+        "aten::argmax",
+        "aten::argmin",
+        "aten::argsort",
+        "aten::nonzero",
+        "aten::nonzero_static",
+        "aten::nonzero_numpy",
+        "aten::argwhere",
+        "aten::bincount",
+        "aten::histc",
+        "aten::histogram",
+        "aten::_unique",
+        "aten::_unique2",
+        "aten::unique_dim",
+        "aten::unique_consecutive",
+        "aten::unique_dim_consecutive",
+        "aten::searchsorted",
+        "aten::bucketize",
+        "aten::_local_scalar_dense",
+    }
+)
+# Copies whose destination may be the host: a device-to-host copy is a value read to the
+# host (decided per call by :func:`kept_always`).
+_COPIES = frozenset({"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"})
 
 # Factories that read only the metadata (shape, dtype, device) of argument 0.
 _META_ONLY = frozenset(
@@ -125,6 +164,8 @@ class OpFacts:
         "kernel",
         "func",
         "view_of",
+        "routing",
+        "host_copy",
     )
 
     def __init__(self, func: Any) -> None:
@@ -133,7 +174,11 @@ class OpFacts:
         self.kernel = overload_kernel(func)  # what the hot path calls
         self.name: str = schema.name
         namespace, _, short = schema.name.partition("::")
-        self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES
+        self.routing = namespace == "aten" and (
+            schema.name in _ROUTING or any(r.name == "indices" for r in schema.returns)
+        )
+        self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES or self.routing
+        self.host_copy = schema.name in _COPIES
         self.seeded = SEEDED_TAG in func.tags
         aten = namespace == "aten"
         self.uninitialized = aten and (short.startswith("empty") or short.startswith("new_empty"))
@@ -179,6 +224,7 @@ class OpFacts:
             and not self.never_replay
             and not self.meta_only
             and not self.dtype_arg
+            and not self.host_copy
         )
 
     def out_kind(self, i: int) -> int:
@@ -201,3 +247,37 @@ def facts(func: Any) -> OpFacts:
     if f is None:
         f = _FACTS[id(func)] = OpFacts(func)
     return f
+
+
+def _is_host(device: Any) -> bool:
+    return torch.device(device).type == "cpu"
+
+
+def kept_always(f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call's outputs are stored, never recomputed, whatever ``save=`` says:
+    a collective, an op whose outputs decide shapes or routing (``f.routing``), or a copy
+    from a device to the host (a value read to the host). The one predicate the recorder
+    (R2 [ kept ops are not recorded ] in ``_record.entry``) and the steady state's first, recorded
+    run both follow.
+
+    Example::
+
+        >>> import torch
+        >>> x = torch.randn(4, 8)
+        >>> kept_always(facts(torch.ops.aten.topk.default), (x, 2), {})
+        True
+        >>> kept_always(facts(torch.ops.aten._to_copy.default), (x,), {"device": "cpu"})  # host to host
+        False
+    """
+    if f.never_replay:
+        return True
+    if not f.host_copy:
+        return False
+    if f.name == "aten::_to_copy":
+        src, dst = (args[0] if args else None), kwargs.get("device")
+    else:  # copy_(self, src) and the like: the destination is argument 0
+        out = args[0] if args else None
+        src, dst = (args[1] if len(args) > 1 else kwargs.get("src")), getattr(out, "device", None)
+    if not isinstance(src, torch.Tensor) or dst is None:
+        return False
+    return _is_host(dst) and src.device.type not in ("cpu", "meta")

@@ -9,7 +9,16 @@ R1. [ a written input is copied ] A block never holds a tensor whose storage it 
     copied too.)
 R2. [ kept ops are not recorded ] Outputs of ops a ``save=`` policy keeps, of
     collectives and of higher-order ops are not recorded: they are ordinary tensors,
-    stored by autograd. An op that writes to an argument is always recorded.
+    stored by autograd. A ``save=`` policy never keeps an op that writes to an argument.
+    Ops whose outputs decide shapes or routing (top-k and sort indices, nonzero,
+    bincount, unique, values read to the host: ``_base.ops.kept_always``) are not
+    recorded either, whatever ``save=`` says: a replay could choose differently from
+    forward (a tie broken another way, an input written unseen), and the ops they feed
+    would replay another routing than the one the gradients flow through. Ops that read
+    their outputs (a MoE's dispatch and combine) are recorded and read them as outside
+    tensors, which the record keeps (a budget counts them as kept bytes). The writes of
+    an unrecorded op (a collective's, an ``out=`` variant's) cannot be replayed
+    (R10 [ an unseen write makes an Input ]).
 R3. [ backward's ops are not the block's ] Ops of a backward pass that runs inside an
     open block belong to that pass, not to the block; ops under ``no_grad`` in the block
     (an ``autograd.Function`` forward) belong to the block.
@@ -55,7 +64,7 @@ import torch
 
 from .._base import rng as _rng
 from .._base.errors import internal_error
-from .._base.ops import INPLACE, NEW, VIEW, OpFacts
+from .._base.ops import INPLACE, NEW, VIEW, OpFacts, kept_always
 from .._base.subclass import data_address, data_tensors, is_wrapper
 from .._base.torch_compat import current_graph_task, default_dtype, numeric_context
 from ..policies import OpContext, region_name
@@ -232,13 +241,14 @@ class OpenBlock:
         frame = self.frame
         if f.context or (_has_float(args) and default_dtype() is not self.context[0]):
             note_context(self)  # R9 [ each op's numeric context ]
+        always = f.never_replay or (f.host_copy and kept_always(f, args, kwargs))  # R2 [ kept ops are not recorded ]
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
             self.frames[0].kept_any = True
-        elif kept is None:  # a context policy: asked once the op has run
+        elif kept is None and not always:  # a context policy: asked once the op has run
             return _decide_after(self, func, f, args, kwargs)
-        if kept or f.never_replay:
+        if kept or always:
             pre = _before_writes(self, f, args, kwargs) if f.writes else None
             out = func(*args, **kwargs)  # R2 [ kept ops are not recorded ]: not recorded
             for root, _ in pre or ():
@@ -318,11 +328,11 @@ def _append(
 
 def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an op of a frame with a context policy, then ask the policy (it sees the
-    outputs): kept, it is not recorded (R2 [ kept ops are not recorded ]); else it is recorded
-    as run_and_record does. Only ops that write to no argument come here."""
+    outputs): kept, it is not recorded (R2 [ kept ops are not recorded ]); else it is recorded as
+    run_and_record
+    does. Only ops that write to no argument and that are not kept always
+    (R2 [ kept ops are not recorded ]) come here."""
     frame = block.frame
-    if f.never_replay:
-        return func(*args, **kwargs)  # R2 [ kept ops are not recorded ]
     rng = _rng.capture(args, kwargs) if f.seeded and frame.preserve_rng else None
     out = f.kernel(*args, **kwargs)
     ctx = OpContext(func, args, out, region_name(), running_module_path)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from ..._base.ops import facts
 from ..._base.torch_compat import OpOverload, op_schema
 from ..._budget.planner import BlockGraph, Candidate, Item, build_chain, decide
 from ..._budget.rates import rates_for, seconds
@@ -105,6 +106,19 @@ def _block(region: list[Node], backward: set[Node], rates: Any) -> tuple[BlockGr
     return graph, saved
 
 
+def _kept_always(blocks: list[list[Node]]) -> dict[Node, int]:
+    """The read outputs of the blocks' collectives and routing ops (``_base.ops``), with
+    their bytes: stored whatever the plan (``MUST_SAVE``), so part of the floor."""
+    out: dict[Node, int] = {}
+    for nodes in blocks:
+        for n in nodes:
+            if not (isinstance(n.target, OpOverload) and facts(n.target).never_replay):
+                continue
+            outs = [n] if isinstance(_val(n), torch.Tensor) else [u for u in n.users if u.target is operator.getitem]
+            out.update((o, _nbytes(_val(o))) for o in outs if o.users)
+    return out
+
+
 def keep_within(budget: Any, regions: dict[Any, list[Node]], backward: set[Node]) -> set[Node]:
     """The nodes to keep of ``budget``'s scopes (forward nodes in graph order, by region
     -- the partitioner's ``ac_graph_id``): the planner's choice within ``budget.bytes``.
@@ -120,6 +134,8 @@ def keep_within(budget: Any, regions: dict[Any, list[Node]], backward: set[Node]
             for a in n.all_input_nodes:
                 if members.get(a) != b and a.op != "placeholder":  # (graph inputs: the caller's)
                     outside[a] = _nbytes(_val(a))
+    for n, nbytes in _kept_always(blocks).items():
+        outside.setdefault(n, nbytes)
     graphs, cands = [], []
     for b, nodes in enumerate(blocks):
         graph, saved = _block(nodes, backward, rates)

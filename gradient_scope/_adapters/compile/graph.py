@@ -19,7 +19,8 @@ block's tensors:
    ``torch._functorch.config.joint_custom_pass`` holds, for every AOTAutograd backend
    (``aot_eager``, inductor, ...); dynamo's end-of-compile callback puts the config back
    exactly as it was. The pass marks the block's forward nodes
-   ``CheckpointPolicy.MUST_RECOMPUTE`` (``MUST_SAVE`` for ops the ``save=`` policy keeps),
+   ``CheckpointPolicy.MUST_RECOMPUTE`` (``MUST_SAVE`` for ops the ``save=`` policy keeps,
+   and for collectives and ops whose outputs decide routing, as in eager),
    with one ``ac_graph_id`` per outermost scope (a scope with a budget: ``MUST_SAVE`` for
    what its plan keeps, :mod:`.budget`), so the min-cut partitioner recomputes
    them in the backward graph, also where an op after the block saves them; random ops
@@ -65,6 +66,7 @@ import torch._functorch.config as _functorch_config
 
 from ..._base.errors import check_bool
 from ..._base.feedback import warn_once
+from ..._base.ops import facts
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats
 from ..._base.torch_compat import OpOverload, op_schema
@@ -422,6 +424,13 @@ def _check_matched(tagged: list[tuple[torch.fx.Node, _Entry]], decisions: dict[t
             )
 
 
+def _kept_always(node: torch.fx.Node) -> bool:
+    """A collective or an op whose outputs decide shapes or routing (``_base.ops``): stored,
+    as in eager (R2 [ kept ops are not recorded ] in ``_record.entry``), whatever ``save=`` or a
+    budget says."""
+    return isinstance(node.target, OpOverload) and facts(node.target).never_replay
+
+
 def _apply_budgets(tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[torch.fx.Node]) -> None:
     """The scopes with a budget: keep what its plan picks, recompute the rest (``.budget``)."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -435,7 +444,7 @@ def _apply_budgets(tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[tor
         kept = keep_within(budget, regions, backward)
         for nodes in regions.values():
             for node in nodes:
-                keep = node in kept
+                keep = node in kept or _kept_always(node)
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
 
 
@@ -457,8 +466,8 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         entry = _ENTRIES.get(scope_id)
         if entry is None:  # pragma: no cover - registered while tracing this graph
             continue
-        save = False
-        if entry.policy is not None and isinstance(node.target, OpOverload):
+        save = _kept_always(node)
+        if not save and entry.policy is not None and isinstance(node.target, OpOverload):
             save = _decide(node, scope_id, entry.policy, decisions)
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = region
