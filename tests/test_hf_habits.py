@@ -1,0 +1,112 @@
+"""A Hugging Face fine-tuner's habits (issue 38): custom loops that keep the output through
+backward, HF's own spelling of the options, and names that suggest the right one.
+
+Memory is the benchmarks' validated probe (``benchmarks._harness.memory.measure``): bytes
+allocated during the forward and still allocated when it returns.
+"""
+
+import gc
+import logging
+import warnings
+
+import torch
+import transformers
+
+import gradient_scope.integrations.transformers as gs_hf
+from benchmarks._harness.memory import measure
+from gradient_scope import Budget
+
+import _hf_models
+from _hf_models import SEQ, VOCAB
+from conftest import pinned_cpu_rates
+
+IDS = torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def llama(seed=0):
+    return _hf_models.make_model("llama", layers=4, seed=seed).train()
+
+
+def held_with_output_alive(model):
+    """(bytes the forward left allocated, the loop's ``outputs``, the gradients) of one step
+    of a run_clm_no_trainer-style loop: ``outputs = model(**batch)`` stays alive through
+    backward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(2)  # dropout masks
+    gc.collect()
+    outputs, held, _ = measure(lambda: model(input_ids=IDS, labels=IDS), lambda o: o.loss.backward())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return held, outputs, grads
+
+
+def returned_bytes(outputs):
+    """What the forward returns to the caller: the loss and the logits."""
+    return outputs.loss.untyped_storage().nbytes() + outputs.logits.untyped_storage().nbytes()
+
+
+# -- 1. the KV cache in training
+
+
+def test_enable_keeps_no_kv_cache_in_training_and_holds_no_more_than_hf_checkpointing(caplog):
+    plain_held, plain_out, plain_grads = held_with_output_alive(llama())
+    assert plain_out.cache is not None  # (what the plain model keeps: the cache)
+
+    hf = llama()
+    hf.activation_checkpointing_enable()
+    hf_held, hf_out, _ = held_with_output_alive(hf)
+    assert hf_out.cache is None
+
+    model = gs_hf.enable(llama())
+    with caplog.at_level(logging.INFO, logger="gradient_scope"):
+        held, outputs, grads = held_with_output_alive(model)
+        held_again, _, _ = held_with_output_alive(model)
+    assert outputs.cache is None
+    assert held <= hf_held < plain_held
+    assert held_again == held
+    assert grads.keys() == plain_grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, plain_grads[name]), name
+    # Said once (two steps), at WARNING as transformers says it for its own checkpointing.
+    said = [r for r in caplog.records if r.name == "gradient_scope" and "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "LlamaForCausalLM" in said[0].getMessage()
+
+
+def test_an_explicit_use_cache_true_is_turned_off_in_training_only():
+    model = gs_hf.enable(llama())
+    assert model(input_ids=IDS, use_cache=True).cache is None
+    with torch.no_grad():  # generation: no backward, the cache stays
+        assert model(input_ids=IDS, use_cache=True).cache is not None
+    model.eval()
+    assert model(input_ids=IDS).cache is not None
+    gs_hf.disable(model)
+    model.train()
+    assert model(input_ids=IDS, use_cache=True).cache is not None  # disable removes the hooks
+
+
+def test_a_cache_passed_to_a_scoped_layer_is_dropped_as_transformers_drops_it():
+    model = gs_hf.enable(llama(), every_n_layers=2)
+    layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
+    cache = transformers.DynamicCache(config=model.config)
+    model(input_ids=IDS, cache=cache, use_cache=True).logits.sum().backward()
+    # Layers 0 and 2 run in scopes and got no cache; 1 and 3 (not scoped) filled theirs.
+    assert [layer.keys is not None and layer.keys.numel() > 0 for layer in cache.layers] == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert len(layers) == 4
+
+
+def test_a_budget_counts_what_the_model_keeps_with_the_output_alive():
+    """The held bytes are the plan's, to the byte: nothing the budget does not see (a cache)
+    stays with the output."""
+    model = llama()
+    budget = Budget(200_000)
+    gs_hf.enable(model, budget=budget)
+    with pinned_cpu_rates(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first step measures)
+        steps = [held_with_output_alive(model) for _ in range(3)]
+    for held, outputs, _ in steps[1:]:
+        assert held - returned_bytes(outputs) == budget.planned_bytes <= budget.bytes
