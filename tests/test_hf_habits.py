@@ -9,12 +9,13 @@ import gc
 import logging
 import warnings
 
+import pytest
 import torch
 import transformers
 
 import gradient_scope.integrations.transformers as gs_hf
 from benchmarks._harness.memory import measure
-from gradient_scope import Budget
+from gradient_scope import Budget, apply_recompute
 
 import _hf_models
 from _hf_models import SEQ, VOCAB
@@ -110,3 +111,76 @@ def test_a_budget_counts_what_the_model_keeps_with_the_output_alive():
         steps = [held_with_output_alive(model) for _ in range(3)]
     for held, outputs, _ in steps[1:]:
         assert held - returned_bytes(outputs) == budget.planned_bytes <= budget.bytes
+
+
+# -- 2. HF's own words, and the right name for a misspelled one
+
+
+def grads_of(model):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(2)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_enable_takes_transformers_every_n_layers_and_offload():
+    plain = grads_of(llama())
+    model = llama()
+    gs_hf.enable(model, every_n_layers=2, offload=True)
+    scoped = [m for m in model.modules() if "forward" in m.__dict__]
+    assert scoped == [model.model.layers[0], model.model.layers[2]]
+    budget = scoped[0].forward.options["budget"]
+    assert (budget.bytes, budget.offload) == (0, float("inf"))  # Budget(0, offload=True)
+    # On the CPU there is nowhere to offload to: one warning says so; the floor does not
+    # warn (offload=True asks for the least).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [grads_of(model) for _ in range(3)]
+    assert [str(w.message) for w in caught if w.category is not FutureWarning] == [
+        "gradient_scope: Budget(offload=...) changes nothing here: the tensors are on the cpu, which has no "
+        "host memory to offload to. The budget keeps or recomputes."
+    ]
+    assert budget.planned_bytes == budget.floor_bytes
+    for g in got:
+        for name, value in g.items():
+            assert torch.equal(value, plain[name]), name
+
+
+def test_enable_offload_with_a_budget():
+    model = gs_hf.enable(llama(), offload=True, budget="1MiB")
+    budget = model.model.layers[0].forward.options["budget"]
+    assert (budget.bytes, budget.offload) == (2**20, float("inf"))
+    with pytest.raises(ValueError, match=r"budget=Budget\(1000, offload=True\) instead"):
+        gs_hf.enable(llama(), offload=True, budget=Budget(1000))
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        gs_hf.enable(llama(), offload="yes")
+
+
+@pytest.mark.parametrize(
+    "call, meant",
+    [
+        (lambda: gs_hf.enable(llama(), every_n_layer=2), "every_n_layers"),
+        (lambda: gs_hf.enable(llama(), ofload=True), "offload"),
+        (lambda: apply_recompute(torch.nn.Sequential(torch.nn.Linear(2, 2)), every_n_layer=2), "every_n_layers"),
+        (lambda: apply_recompute(torch.nn.Sequential(torch.nn.Linear(2, 2)), check_fns=len), "check_fn"),
+        (lambda: Budget("8GiB", offlod=True), "offload"),
+        (lambda: Budget("8GiB", budgte=1), "budget"),
+    ],
+)
+def test_a_misspelled_option_names_the_one_meant(call, meant):
+    with pytest.raises(TypeError, match=f"did you mean '{meant}'"):
+        call()
+
+
+def test_budget_signature_shows_the_real_options():
+    import inspect
+
+    assert list(inspect.signature(Budget).parameters) == ["budget", "offload"]
+
+
+@pytest.mark.parametrize("size", ["-1GiB", -1, "-0.5 MB", " - 2 KiB"])
+def test_a_negative_budget_says_it_is_negative(size):
+    with pytest.raises(ValueError, match="is negative"):
+        Budget(size)
+    with pytest.raises(ValueError, match="offload: .* is negative"):
+        Budget("1GiB", offload=size)

@@ -45,11 +45,12 @@ _SCOPE_OPTIONS = frozenset(
 )
 
 
-def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``**scope_options`` once, up front; make ``save=`` picklable."""
+def _scope_options(caller: str, options: dict[str, Any], own: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate ``**scope_options`` once, up front; make ``save=`` picklable. ``own``: the
+    caller's other keyword options, among the names a misspelling is matched to."""
     unknown = set(options) - _SCOPE_OPTIONS
     if unknown:
-        raise unknown_options(caller, unknown, _SCOPE_OPTIONS, "recompute_scope option")
+        raise unknown_options(caller, unknown, _SCOPE_OPTIONS | set(own), "recompute_scope option", "options")
     options = dict(options)
     # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
     if "save" in options:
@@ -318,17 +319,18 @@ def scope_modules(
     caller: str,
     what: str = "",
     shown: dict[str, Any] | None = None,
+    own: tuple[str, ...] = ("check_fn", "every_n_layers"),
 ) -> list[str]:
     """``apply_recompute``'s work, for the helpers built on it: validate the options, choose
     the modules, give each a scoped forward, log one line (``caller``; ``what`` the modules
-    are; ``shown``: the options to name, default ``scope_options`` and ``every_n_layers``).
-    Returns the paths scoped."""
+    are; ``shown``: the options to name, default ``scope_options`` and ``every_n_layers``;
+    ``own``: the caller's keyword options besides the scope's). Returns the paths scoped."""
     if shown is None:
         shown = {**({"every_n_layers": every_n_layers} if every_n_layers != 1 else {}), **scope_options}
     budget = scope_options.get("budget")
     if budget is not None and not isinstance(budget, Budget):
         scope_options = {**scope_options, "budget": Budget(budget)}
-    options = _scope_options(caller, scope_options)
+    options = _scope_options(caller, scope_options, own)
     chosen = choose(model, check_fn, every_n_layers)
     for path, module in chosen:
         _install(path, module, options)
@@ -455,7 +457,7 @@ def recompute_sequential(functions: Any, segments: int, input: Any, **scope_opti
             f"functions ({n}), got {segments!r}"
         )
     segments = count
-    options = _scope_options("recompute_sequential", scope_options)
+    options = _scope_options("recompute_sequential", scope_options, ("segments", "input"))
     size = n // segments
     _log_sequential(n, segments, size, scope_options)
     x = input

@@ -47,7 +47,9 @@ except ImportError as e:  # pragma: no cover (transformers is in the test extra)
 
 from .._api.helpers import detach_budget, scope_modules
 from .._api.selection import check_every_n
+from .._base.errors import check_bool
 from .._base.feedback import logger, warn_user
+from .._budget.budget import Budget, offload_all
 
 __all__ = ["enable", "disable"]
 
@@ -200,7 +202,7 @@ class _Enabled:
 _ENABLED: weakref.WeakKeyDictionary[nn.Module, _Enabled] = weakref.WeakKeyDictionary()
 
 
-def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> nn.Module:
+def enable(model: nn.Module, every_n_layers: int = 1, offload: bool = False, **scope_options: Any) -> nn.Module:
     """Run every ``every_n_layers``-th transformers layer of ``model`` in its own scope.
 
     The layers are the model's ``GradientCheckpointingLayer`` instances (every
@@ -221,18 +223,32 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     Logs one line at INFO on the ``gradient_scope`` logger: the layers scoped
     (their paths) and the options.
 
+    ``every_n_layers`` and ``offload`` are transformers' own
+    ``activation_checkpointing_enable`` arguments, with their meaning: a port
+    from it changes the method's name only.
+
     Args:
         model: the model, changed in place.
         every_n_layers: scope layers 0, n, 2n, ... (1: every layer).
+        offload: as transformers' ``offload=True``, keep what the layers save in
+            pinned host memory rather than on the accelerator: the scopes get
+            ``budget=Budget(0, offload=True)`` (``gradient_scope._budget.budget.offload_all``):
+            the device keeps as little as recompute and offload can make it, each
+            saved tensor recomputed or offloaded as the plan predicts faster, and
+            the floor that neither can move does not warn. With ``budget=`` given
+            as bytes, that budget offloads (``Budget(budget, offload=True)``). On a
+            CPU there is nowhere to offload to: it changes nothing and says so once.
         **scope_options: options of each scope (``save=``, ``preserve_rng_state=``,
-            ``debug=``, ...), passed on to :func:`~gradient_scope.apply_recompute`.
+            ``debug=``, ``budget=``, ...), passed on to :func:`~gradient_scope.apply_recompute`.
 
     Returns:
         ``model``.
 
     Raises:
         ValueError: ``model`` has no ``GradientCheckpointingLayer``, or
-            ``every_n_layers`` is not a positive int.
+            ``every_n_layers`` is not a positive int, or ``offload=True`` with a
+            ``Budget`` that does not offload.
+        TypeError: an unknown option (the message names the one meant).
 
     Example::
 
@@ -249,6 +265,9 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: model must be a torch.nn.Module, got {type(model).__name__}")
     every_n_layers = check_every_n("enable", every_n_layers)
+    shown = {"every_n_layers": every_n_layers, **({"offload": True} if offload else {}), **scope_options}
+    if check_bool("enable", "offload", offload):
+        scope_options = {**scope_options, "budget": _offloading(scope_options.get("budget"))}
     layers: list[nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(
@@ -262,12 +281,27 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     ids = {id(m) for m in chosen}
     before = [(m, m.__dict__.get("forward", _ABSENT)) for m in chosen]
     # Validates the options (unknown or invalid ones raise) before changing anything.
-    shown = {"every_n_layers": every_n_layers, **scope_options}
     what = f"of {len(layers)} layers"
-    scope_modules(model, lambda m: id(m) in ids, 1, scope_options, "enable", what, shown)
+    own = ("every_n_layers", "offload")
+    scope_modules(model, lambda m: id(m) in ids, 1, scope_options, "enable", what, shown, own)
     handles = [model.register_forward_pre_hook(_Guard(layers)), *_cache_hooks(model, chosen)]
     _ENABLED[model] = _Enabled(before, handles)
     return model
+
+
+def _offloading(budget: Any) -> Budget:
+    """``enable(offload=True)``'s budget, given the ``budget=`` option (see :func:`enable`)."""
+    if budget is None:
+        return offload_all()
+    if not isinstance(budget, Budget):
+        return Budget(budget, offload=True)
+    if budget.offload is None:
+        raise ValueError(
+            f"enable: offload=True with budget={budget!r}, which does not offload. Pass "
+            f"budget=Budget({budget.bytes}, offload=True) instead (or offload= the host bytes it may fill, "
+            "e.g. '64GiB')."
+        )
+    return budget
 
 
 def disable(model: nn.Module) -> nn.Module:
