@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+import gradient_scope
 import gradient_scope.integrations.transformers as gs_hf
 from benchmarks._harness.memory import measure
 from gradient_scope import Budget, apply_recompute
@@ -184,3 +185,69 @@ def test_a_negative_budget_says_it_is_negative(size):
         Budget(size)
     with pytest.raises(ValueError, match="offload: .* is negative"):
         Budget("1GiB", offload=size)
+
+
+# -- 5. Is it on? model_stats under torch.compile
+
+
+def test_model_stats_says_what_compiled_scopes_recompute():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)) for _ in range(2)]
+    )
+    apply_recompute(model, check_fn=lambda m: m in list(model))
+    x = torch.randn(8, 16, requires_grad=True)
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(2):  # compiled once: the figures are the graph's, not a count per call
+            compiled(x).sum().backward()
+        stats = gradient_scope.model_stats(model, reset=True)
+    finally:
+        torch._dynamo.reset()
+    # Per call, compiled scopes count nothing (no Python runs per op in a graph) ...
+    assert (stats.ops_recorded, stats.tensors_packed, stats.replays) == (0, 0, 0)
+    # ... and what their graphs recompute is there, per module: each block's hidden
+    # (8 x 64 float32: the linear's output and the GELU's), and block 0's output, which
+    # block 1's first linear saves (8 x 16 float32).
+    hidden, out = 8 * 64 * 4, 8 * 16 * 4
+    assert {k: (s.ops_recorded, s.tensors_packed, s.bytes_packed) for k, s in stats.compiled.items()} == {
+        "0": (5, 3, 2 * hidden + out),
+        "1": (5, 2, 2 * hidden),
+    }
+    text = str(stats)
+    assert "compiled: 2 scoped modules ran in torch.compile graphs" in text
+    assert f"recompute 5 tensors ({4 * hidden + out} bytes) of 10 block ops" in text
+    assert "compiled=" in repr(stats)
+    assert gradient_scope.model_stats(model).compiled == stats.compiled  # reset keeps what the graphs hold
+
+
+# -- 4. Plans you can read
+
+
+def test_stored_ops_name_the_module_the_line_and_why():
+    model = _hf_models.make_model("llama", layers=2, seed=0).train()
+    budget = Budget(100_000)
+    gs_hf.enable(model, budget=budget)
+    with pinned_cpu_rates(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):  # measured, then planned twice: the plan keeps what was measured
+            model(input_ids=IDS, labels=IDS).loss.backward()
+    rows = budget.stored_ops()
+    assert {r.how for r in rows} == {"kept", "recomputed"}
+    # The report's words for where a save ran: the module inside the layer, the source line.
+    report_modules = {name for name, _ in model.named_modules()}
+    assert all(r.module in report_modules and r.line.endswith(tuple(f":{n}" for n in range(1, 10000))) for r in rows)
+    q_proj = [r for r in rows if r.module == "model.layers.0.self_attn.q_proj"]
+    assert q_proj and all(r.line.startswith("modeling_llama.py:") for r in q_proj)
+    for r in rows:
+        assert r.why.startswith(f"{r.how}:" if r.nbytes else "in memory anyway"), r
+        if r.nbytes and r.how == "kept":
+            assert "among the most per byte that fit the budget" in r.why
+    # Kept rows spare more recompute per byte than recomputed ones (the plan's order, K3).
+    table = budget.stored_table()
+    lines = table.splitlines()
+    assert lines[0].split() == ["module", "kept", "offloaded", "recomputed"]
+    assert {line.split()[0] for line in lines[2:]} == {r.module for r in rows}
+    assert "modeling_llama.py:244" in budget.stored_table(by="op")
+    with pytest.raises(ValueError, match="by must be one of"):
+        budget.stored_table(by="layer")

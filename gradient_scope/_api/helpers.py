@@ -28,10 +28,10 @@ import torch.nn as nn
 
 from .._base.errors import Site
 from .._base.feedback import describe_options, describe_paths, logger, unknown_options
-from .._base.stats import ScopeStats
+from .._base.stats import ScopeStats, compiled_sink
 from .._budget.budget import Budget
 from ..policies import as_save_policy
-from .scope import counting_into, recompute_scope, run_in_scope
+from .scope import counting_into, recompute_scope, run_in_scope, traced_scope
 from .selection import ModuleSelector, check_every_n, choose, every_module
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential", "detach_budget"]
@@ -80,7 +80,7 @@ class _ScopedForward:
     ``model_stats``; ``reset_stats`` starts afresh).
     """
 
-    __slots__ = ("_module", "original", "options", "site", "stats")
+    __slots__ = ("_module", "original", "options", "site", "stats", "compiled", "sink")
 
     def __init__(
         self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
@@ -90,6 +90,9 @@ class _ScopedForward:
         self.options = options
         self.site = site  # the module path, named in errors
         self.stats = ScopeStats()  # what its scopes counted (model_stats)
+        # What its scopes in compiled graphs hold, counted once per graph compiled (model_stats):
+        self.compiled = ScopeStats()
+        self.sink = compiled_sink(self.compiled)
 
     def reset_stats(self) -> None:
         # A new object: scopes still in flight keep counting into the old one.
@@ -111,9 +114,11 @@ class _ScopedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self._forward()
-        scope = recompute_scope(**self.options)
-        if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
-            scope._at(self.site)
+        scope = traced_scope(self.options, self.sink)  # (while dynamo traces, the graph's annotation)
+        if scope is None:
+            scope = recompute_scope(**self.options)
+            if type(scope) is recompute_scope:
+                scope._at(self.site)
         return run_in_scope(counting_into(scope, self.stats), forward, args, kwargs)
 
     @property
@@ -185,6 +190,15 @@ def scoped_forward_stats(module: nn.Module) -> ScopeStats | None:
     current = module.__dict__.get("forward")
     if isinstance(current, _ScopedForward) and current._module() is module:
         return current.stats
+    return None
+
+
+def scoped_forward_compiled(module: nn.Module) -> ScopeStats | None:
+    """What the compiled graphs of ``module``'s scoped forward hold (``_ScopedForward.compiled``),
+    or None: not scoped by ``apply_recompute``, or never compiled."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module and current.compiled != ScopeStats():
+        return current.compiled
     return None
 
 

@@ -62,7 +62,7 @@ from .._base.feedback import unknown_options
 from .._record.types import BlockRecord
 from .._restore.replay import add_freed_storage_handler
 from .block import BlockPlan
-from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds
+from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds, stored_table
 from .offload import engines, restore
 from .region import Region
 from .run import Run
@@ -292,6 +292,27 @@ class Budget:
         the scopes it offloads."""
         r = self._result()
         return [] if r is None else list(r.stored)
+
+    def stored_table(self, by: str = "module") -> str:
+        """:meth:`stored_ops` as a table, grouped ``by`` ``"module"`` (the module path inside
+        the layer each tensor was saved in, as the saved-tensor report's ``by="module"``),
+        ``"block"``, or ``"op"`` (module, op and source line, with the plan's reason): the
+        bytes kept, offloaded and recomputed, largest first.
+
+        Example::
+
+            >>> import torch, torch.nn as nn
+            >>> from gradient_scope import Budget, apply_recompute
+            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.Tanh()) for _ in range(2)))
+            >>> budget = Budget("16KiB")
+            >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
+            >>> print(budget.plan(lambda: model(torch.randn(32, 32)).sum().backward()).stored_table())
+            ... # doctest: +ELLIPSIS
+            module        kept   offloaded  recomputed
+            --------------------------------------------
+            ...
+        """
+        return stored_table(self.stored_ops(), by)
 
     def curve(self) -> BudgetCurve:
         """The predicted bytes against step time for every budget, from the last

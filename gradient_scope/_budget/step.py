@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .curve import CurvePoint, StoredOp
+from .curve import CurvePoint, StoredOp, fmt_bytes, fmt_seconds
 from .measure import Measured
 from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide
 from .rates import Rates
@@ -57,6 +57,7 @@ class BlockSeen:
     inputs: dict[int, int]  # storages kept for replay (address -> bytes), in the record's order
     rng: frozenset[int]  # of them, generator states (host memory, never offloaded)
     views: set[int] = field(default_factory=set)  # of them, saved as views by autograd too (N2)
+    where: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)  # (module, line) of each save
 
 
 @dataclass
@@ -234,19 +235,41 @@ def _peak(blocks: list[BlockSeen], choices: list[BlockChoice], it: _Items, d: De
     return top + 2 * max(sizes, default=0)
 
 
+def _why(how: str, spared: float, nbytes: int) -> str:
+    """The plan's reason for one candidate, in words (K3, K7)."""
+    if nbytes == 0:
+        return "in memory anyway (another block keeps its storage): keeping it costs no bytes"
+    per = f"{fmt_seconds(spared)} of recompute per step for {fmt_bytes(nbytes)}"
+    per += f" ({fmt_seconds(spared * 2**20 / nbytes)} per MiB)"
+    if how == "kept":
+        return f"kept: spares {per}, among the most per byte that fit the budget"
+    if how == "offloaded":
+        return f"offloaded: spares {per}; no room on the device, and its copy is predicted to cost less"
+    return f"recomputed: keeping it would spare {per}; the budget is filled by tensors sparing more per byte"
+
+
 def _stored(blocks: list[BlockSeen], choices: list[BlockChoice], saves: list[SaveSeen],
-            it: _Items, d: Decision) -> list[StoredOp]:  # fmt: skip
+            it: _Items, d: Decision, chain: Chain) -> list[StoredOp]:  # fmt: skip
     out: list[StoredOp] = []
-    for _c, cand in enumerate(it.cands):
+    at = {c: k for k, c in enumerate(chain.order)}
+    for c, cand in enumerate(it.cands):
         bs, ch = blocks[cand.block], choices[cand.block]
+        k0 = at.get(c)
+        spared = 0.0 if k0 is None else chain.cost[k0] - chain.cost[k0 + 1]  # K3: its gain in the chain
         for v in cand.values:
             op, k = bs.measured.places[v]
             how = "kept" if (op, k) in ch.chosen else "offloaded" if (op, k) in ch.offloaded else "recomputed"
-            out.append(StoredOp(bs.label, bs.measured.names[op], k, cand.nbytes, how))
+            module, line = bs.where.get((op, k), ("", ""))
+            why = _why(how, spared, cand.nbytes)
+            out.append(StoredOp(bs.label, bs.measured.names[op], k, cand.nbytes, how, module, line, why))
     for i in d.offloaded_floor:
         b, n = it.floor_kind[i]
-        name, label = (saves[n].name, "(outside scopes)") if b == -1 else ("input", blocks[b].label)
-        out.append(StoredOp(label, name, n, it.floor[i].nbytes, "offloaded"))
+        if b == -1:
+            name, label, why = saves[n].name, "(outside scopes)", "saved by code outside the scopes"
+        else:
+            name, label, why = "input", blocks[b].label, "kept by the block for its replay"
+        why = f"offloaded: {why}, so it cannot be recomputed; the device budget moves it to host memory"
+        out.append(StoredOp(label, name, n, it.floor[i].nbytes, "offloaded", why=why))
     return out
 
 
@@ -300,7 +323,7 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         _peak(blocks, choices, it, d, params or []),
         d.below,
     )
-    plan.stored = _stored(blocks, choices, saves, it, d)
+    plan.stored = _stored(blocks, choices, saves, it, d, chain)
     plan.seen = blocks
     plan.curve = points
     return plan

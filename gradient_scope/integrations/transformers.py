@@ -162,7 +162,7 @@ class _CacheOff:
     def layer(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not _training(module):
             return None
-        changed = {}
+        changed: dict[str, bool | None] = {}
         if kwargs.get("use_cache"):
             changed["use_cache"] = False
         if not getattr(module, "_can_checkpoint_with_cache", False):
