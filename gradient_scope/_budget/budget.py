@@ -303,13 +303,13 @@ class Budget:
 
             >>> import torch, torch.nn as nn
             >>> from gradient_scope import Budget, apply_recompute
-            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.Tanh()) for _ in range(2)))
+            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)))
             >>> budget = Budget("16KiB")
             >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
             >>> print(budget.plan(lambda: model(torch.randn(32, 32)).sum().backward()).stored_table())
             ... # doctest: +ELLIPSIS
             module        kept   offloaded  recomputed
-            --------------------------------------------
+            ------------------------------------------
             ...
         """
         return stored_table(self.stored_ops(), by)
