@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import sys
@@ -15,7 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
 
 from .._base.errors import check_bool
-from .._base.feedback import unknown_options
+from .._base.feedback import closest, unknown_options
 from .._base.stats import ScopeStats
 from .._budget.budget import Budget
 from .scope import counting_into, recompute_scope, run_in_scope
@@ -78,7 +77,7 @@ def _check_keywords(function: Any, kwargs: dict[str, Any]) -> None:
     for key in kwargs:
         near = _near_option.get(key)
         if near is None:
-            near = bool(difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.8))
+            near = bool(closest(key, _OPTIONS, cutoff=0.8))
             if len(_near_option) < 4096:
                 _near_option[key] = near
         if near:

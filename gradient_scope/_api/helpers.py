@@ -30,10 +30,10 @@ import torch.nn as nn
 from .._base.errors import Site
 from .._base.feedback import describe_options, describe_paths, logger, unknown_options
 from .._base.options import scopes_disabled
-from .._base.stats import ScopeStats
+from .._base.stats import ScopeStats, compiled_sink
 from .._budget.budget import Budget
 from ..policies import as_save_policy
-from .scope import counting_into, recompute_scope, run_in_scope
+from .scope import counting_into, recompute_scope, run_in_scope, traced_scope
 from .selection import ModuleSelector, check_every_n, choose, every_module
 
 __all__ = ["apply_recompute", "remove_recompute", "recompute_sequential", "detach_budget"]
@@ -47,11 +47,12 @@ _SCOPE_OPTIONS = frozenset(
 )
 
 
-def _scope_options(caller: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Validate ``**scope_options`` once, up front; make ``save=`` picklable."""
+def _scope_options(caller: str, options: dict[str, Any], own: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate ``**scope_options`` once, up front; make ``save=`` picklable. ``own``: the
+    caller's other keyword options, among the names a misspelling is matched to."""
     unknown = set(options) - _SCOPE_OPTIONS
     if unknown:
-        raise unknown_options(caller, unknown, _SCOPE_OPTIONS, "recompute_scope option")
+        raise unknown_options(caller, unknown, _SCOPE_OPTIONS | set(own), "recompute_scope option", "options")
     options = dict(options)
     # Interpreted once; lists of ops become a policy that pickles (ops pickle by name).
     if "save" in options:
@@ -81,7 +82,7 @@ class _ScopedForward:
     ``model_stats``; ``reset_stats`` starts afresh).
     """
 
-    __slots__ = ("_module", "original", "options", "site", "stats")
+    __slots__ = ("_module", "original", "options", "site", "stats", "compiled", "sink")
 
     def __init__(
         self, module: nn.Module, original: Callable[..., Any] | None, options: dict[str, Any], site: Site
@@ -91,6 +92,9 @@ class _ScopedForward:
         self.options = options
         self.site = site  # the module path, named in errors
         self.stats = ScopeStats()  # what its scopes counted (model_stats)
+        # What its scopes in compiled graphs hold, counted once per graph compiled (model_stats):
+        self.compiled = ScopeStats()
+        self.sink = compiled_sink(self.compiled)
 
     def reset_stats(self) -> None:
         # A new object: scopes still in flight keep counting into the old one.
@@ -112,9 +116,11 @@ class _ScopedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = self._forward()
-        scope = recompute_scope(**self.options)
-        if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
-            scope._at(self.site)
+        scope = traced_scope(self.options, self.sink)  # (while dynamo traces, the graph's annotation)
+        if scope is None:
+            scope = recompute_scope(**self.options)
+            if type(scope) is recompute_scope:
+                scope._at(self.site)
         return run_in_scope(counting_into(scope, self.stats), forward, args, kwargs)
 
     @property
@@ -189,6 +195,15 @@ def scoped_forward_stats(module: nn.Module) -> ScopeStats | None:
     current = module.__dict__.get("forward")
     if isinstance(current, _ScopedForward) and current._module() is module:
         return current.stats
+    return None
+
+
+def scoped_forward_compiled(module: nn.Module) -> ScopeStats | None:
+    """What the compiled graphs of ``module``'s scoped forward hold (``_ScopedForward.compiled``),
+    or None: not scoped by ``apply_recompute``, or never compiled."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, _ScopedForward) and current._module() is module and current.compiled != ScopeStats():
+        return current.compiled
     return None
 
 
@@ -326,17 +341,18 @@ def scope_modules(
     caller: str,
     what: str = "",
     shown: dict[str, Any] | None = None,
+    own: tuple[str, ...] = ("check_fn", "every_n_layers"),
 ) -> list[str]:
     """``apply_recompute``'s work, for the helpers built on it: validate the options, choose
     the modules, give each a scoped forward, log one line (``caller``; ``what`` the modules
-    are; ``shown``: the options to name, default ``scope_options`` and ``every_n_layers``).
-    Returns the paths scoped."""
+    are; ``shown``: the options to name, default ``scope_options`` and ``every_n_layers``;
+    ``own``: the caller's keyword options besides the scope's). Returns the paths scoped."""
     if shown is None:
         shown = {**({"every_n_layers": every_n_layers} if every_n_layers != 1 else {}), **scope_options}
     budget = scope_options.get("budget")
     if budget is not None and not isinstance(budget, Budget):
         scope_options = {**scope_options, "budget": Budget(budget)}
-    options = _scope_options(caller, scope_options)
+    options = _scope_options(caller, scope_options, own)
     chosen = choose(model, check_fn, every_n_layers)
     for path, module in chosen:
         _install(path, module, options)
@@ -464,7 +480,7 @@ def recompute_sequential(functions: Any, segments: int, input: Any, **scope_opti
             f"functions ({n}), got {segments!r}"
         )
     segments = count
-    options = _scope_options("recompute_sequential", scope_options)
+    options = _scope_options("recompute_sequential", scope_options, ("segments", "input"))
     size = n // segments
     _log_sequential(n, segments, size, scope_options)
     x = input

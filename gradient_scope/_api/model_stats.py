@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from .._base.stats import ScopeStats
 from .checkpoint import checkpoint_stats, reset_checkpoint_stats
-from .helpers import reset_scoped_forward_stats, scoped_forward_stats
+from .helpers import reset_scoped_forward_stats, scoped_forward_compiled, scoped_forward_stats
 
 __all__ = ["ModelStats", "model_stats"]
 
@@ -37,6 +37,35 @@ class ModelStats(ScopeStats):
 
     #: module path (from the model; ``""`` for the model itself) -> its scopes' counters
     modules: dict[str, ScopeStats] = field(default_factory=dict)
+    #: module path -> what the compiled graphs of its scopes hold, once per graph compiled:
+    #: ``ops_recorded``, the block's ops in the compiled forward graphs; ``tensors_packed`` /
+    #: ``bytes_packed``, the block tensors the compiled backward recomputes instead of saving.
+    #: Scopes in compiled graphs count nothing per call (no Python runs per op there): the
+    #: counters above stay 0 for them, and this says what the graphs do.
+    compiled: dict[str, ScopeStats] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """The totals in one line, and, when modules ran in compiled graphs, a second that
+        says so and what those graphs recompute.
+
+        Example::
+
+            >>> print(ModelStats(ops_recorded=2, tensors_packed=1, bytes_packed=64, replays=1, ops_replayed=2))
+            ops_recorded=2 tensors_packed=1 bytes_packed=64 replays=1 ops_replayed=2 (0 scoped modules)
+        """
+        line = " ".join(f"{n}={getattr(self, n)}" for n in _COUNTERS if n != "ops_saved" or self.ops_saved)
+        line += f" ({len(self.modules)} scoped modules)"
+        if not self.compiled:
+            return line
+        total = ScopeStats()
+        for stats in self.compiled.values():
+            _add(total, stats)
+        return (
+            f"{line}\ncompiled: {len(self.compiled)} scoped modules ran in torch.compile graphs, where scopes "
+            "count nothing per call (the counters above leave them out); their compiled graphs recompute "
+            f"{total.tensors_packed} tensors ({total.bytes_packed} bytes) of {total.ops_recorded} block ops "
+            "(per module: .compiled)"
+        )
 
     def __sub__(self, before: ModelStats) -> ModelStats:
         """The counts since ``before`` (an earlier ``model_stats(model)`` of the same model):
@@ -67,6 +96,7 @@ class ModelStats(ScopeStats):
                 _add(diff, before.modules[name], -1)
             if diff != ScopeStats():
                 out.modules[name] = diff
+        out.compiled = dict(self.compiled)  # (what the graphs hold, not a count per step)
         return out
 
 
@@ -89,8 +119,9 @@ def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
     The counts accumulate over every step since ``apply_recompute`` or the last
     reset. Per step: ``model_stats(model, reset=True)`` after each backward, or
     ``after - before`` of two readings (:meth:`ModelStats.__sub__`), which
-    leaves the counts alone. ``replays`` counts recomputation passes, not
-    layers: a backward may replay a block in more than one pass, when it needs
+    leaves the counts alone (``compiled``, what compiled graphs hold, stays).
+    ``replays`` counts recomputation passes, not layers: a backward may replay a
+    block in more than one pass, when it needs
     the block's values at two moments (see the docs' Debugging page).
 
     Args:
@@ -124,6 +155,9 @@ def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
         found = [s for s in (scoped_forward_stats(module), checkpoint_stats(module)) if s is not None]
         if not found:
             continue
+        compiled = scoped_forward_compiled(module)
+        if compiled is not None:
+            total.compiled[name] = ScopeStats(**{n: getattr(compiled, n) for n in _COUNTERS})
         per_module = ScopeStats()
         for stats in found:
             _add(per_module, stats)

@@ -182,10 +182,7 @@ class recompute_scope:
         # While dynamo traces, a scope is an annotation of the compiled graph
         # (gradient_scope._compile); None there means "run it eagerly".
         if _dynamo_compiling() and _traced_block:
-            budget = options.pop("budget", None)
-            if budget is not None:
-                options["budget_given"] = getattr(budget, "key", True)  # the graph applies its plan
-            block = _traced_block[0](*args, **options)
+            block = traced(options)
             if block is not None:
                 return block
         return super().__new__(cls)
@@ -375,6 +372,25 @@ def _resume_dynamo(scope: recompute_scope) -> None:
     scope._dynamo_callback = (0, None)
     if thread == threading.get_ident():
         _torch_compat.resume_dynamo_compile(callback)
+
+
+def traced(options: dict[str, Any], sink: int = 0) -> Any:
+    """The scope of ``options`` while dynamo traces (the compile adapter's annotation), or
+    None: run it eagerly. ``sink``: the key of the stats (``_base.stats.compiled_sink``)
+    the compiled scope counts into."""
+    options = dict(options)
+    budget = options.pop("budget", None)
+    if budget is not None:
+        options["budget_given"] = getattr(budget, "key", True)  # the graph applies its plan
+    if sink:
+        options["sink"] = sink
+    return _traced_block[0](**options) if _traced_block else None
+
+
+def traced_scope(options: dict[str, Any], sink: int) -> Any:
+    """While dynamo traces, a model helper's scope of ``options`` as the compiled graph's
+    annotation, its figures going to the stats of key ``sink``; else None (a scope)."""
+    return traced(options, sink) if _dynamo_compiling() and _traced_block else None
 
 
 def counting_into(scope: Any, stats: ScopeStats) -> Any:

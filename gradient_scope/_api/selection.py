@@ -9,7 +9,6 @@ calling a module class with a module would run its constructor.
 
 from __future__ import annotations
 
-import difflib
 import operator
 import types
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._base.feedback import warn_user
+from .._base.feedback import closest, warn_user
 
 __all__ = ["ModuleSelector", "every_module", "selector", "describe", "check_every_n", "choose"]
 
@@ -109,7 +108,7 @@ def _near_names(model: nn.Module, check_fn: Any) -> str:
     """For a class name that matched nothing: the model's class names it may have meant."""
     names = [check_fn] if isinstance(check_fn, str) else [x for x in check_fn if isinstance(x, str)]
     present = sorted({type(m).__name__ for m in model.modules()})
-    near = sorted({c for name in names for c in difflib.get_close_matches(name.rpartition(".")[2], present, n=3)})
+    near = sorted({c for name in names for c in closest(name.rpartition(".")[2], present, n=3)})
     return f" Did you mean {' or '.join(map(repr, near))}?" if near else ""
 
 

@@ -20,7 +20,15 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["logger", "warn_user", "warn_once", "describe_options", "describe_paths", "unknown_options"]
+__all__ = [
+    "logger",
+    "warn_user",
+    "warn_once",
+    "describe_options",
+    "describe_paths",
+    "closest",
+    "unknown_options",
+]
 
 #: The library's logger (INFO: what the helpers scoped).
 logger = logging.getLogger("gradient_scope")
@@ -93,13 +101,30 @@ def describe_paths(paths: Iterable[str], root: str = "the model") -> str:
     return f"{names[0]}, {names[1]} ... {names[-1]}"
 
 
-def unknown_options(caller: str, unknown: Iterable[str], valid: Iterable[str], what: str = "option") -> TypeError:
+def closest(name: str, valid: Iterable[str], n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """The ``n`` names of ``valid`` that ``name`` most resembles, best first (``difflib``'s
+    ratio at least ``cutoff``): the one place the library finds what a user meant.
+
+    Example::
+
+        >>> closest("offlod", ["budget", "offload"])
+        ['offload']
+    """
+    return difflib.get_close_matches(name, list(valid), n=n, cutoff=cutoff)
+
+
+def unknown_options(
+    caller: str, unknown: Iterable[str], valid: Iterable[str], what: str = "option", listed: str = ""
+) -> TypeError:
     """The ``TypeError`` for misspelled keyword options: each unknown name with the valid
-    one it most resembles, then every valid name."""
+    one it most resembles, then every valid name (``listed``: what to call them, default
+    ``what`` + s)."""
     valid = sorted(valid)
     parts = []
     for name in sorted(unknown):
-        near = difflib.get_close_matches(name, valid, n=1)
+        near = closest(name, valid)
         parts.append(f"{name!r} (did you mean {near[0]!r}?)" if near else repr(name))
     s = "s" if len(parts) > 1 else ""
-    return TypeError(f"{caller}: unknown {what}{s} {', '.join(parts)}; the {what}s are {', '.join(valid)}")
+    return TypeError(
+        f"{caller}: unknown {what}{s} {', '.join(parts)}; the {listed or what + 's'} are {', '.join(valid)}"
+    )

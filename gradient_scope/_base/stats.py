@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
-__all__ = ["ScopeStats"]
+__all__ = ["ScopeStats", "compiled_sink", "sink_by_key"]
 
 
 @dataclass
@@ -39,3 +41,22 @@ class ScopeStats:
     bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
     replays: int = 0  #: recomputation passes run
     ops_replayed: int = 0  #: operations executed by those passes
+
+
+# key -> the ScopeStats that compiled scopes of one model helper's module count into (the
+# key is an int: what compiled code can pass to the compile adapter as a constant).
+_SINKS: weakref.WeakValueDictionary[int, ScopeStats] = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+
+
+def compiled_sink(stats: ScopeStats) -> int:
+    """Register ``stats`` as where compiled scopes given the returned key count (their
+    compile-time figures, ``_adapters.compile.graph``); held weakly."""
+    key = next(_keys)
+    _SINKS[key] = stats
+    return key
+
+
+def sink_by_key(key: int) -> ScopeStats | None:
+    """The live stats registered under ``key`` (None: gone, or 0)."""
+    return _SINKS.get(key)

@@ -5,6 +5,7 @@ at its close (kept inputs offloaded in place, the record dropped when everything
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
@@ -12,6 +13,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._base.lines import source, user_line
+from .._record.context import running_module_path
 from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
 from .measure import input_storages, kept_inputs, storage_of
@@ -90,6 +93,7 @@ class BlockPlan:
         "free",
         "whole",
         "views",
+        "where",
         "__weakref__",
     )
 
@@ -106,6 +110,9 @@ class BlockPlan:
         # output), the storage's bytes)
         self.saved: dict[Place, tuple[Place, int] | None] = {}
         self.free: dict[Place, int] = {}  # groups another block keeps anyway -> that storage
+        # measuring: (op, output) -> (the module path running when autograd saved it, the
+        # source line of that save), as the saved-tensor report names a save (stored_ops)
+        self.where: dict[Place, tuple[str, str]] = {}
         self.known = False  # closed with a structure that had a plan
         self.keys: tuple[Hashable, ...] | None = None  # set when closed cleanly
         self.inputs: dict[int, int] = {}  # storages of the outside tensors it keeps
@@ -156,6 +163,7 @@ class BlockPlan:
             # (a bound method made per call: kept on self it would be a reference cycle)
             return self._offload if place in plan.offloaded else False
         budget = self.budget()
+        self.where[place] = (running_module_path(), source(user_line(sys._getframe(1))))
         where = storage_of(t)
         # measuring: is it kept anyway (K2 [ a candidate is one storage ])?
         if budget is not None and where is not None:

@@ -58,6 +58,7 @@ M8. [ the figures of the last step's plan ] The figures a budget shows (floor, p
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import operator
@@ -69,15 +70,16 @@ from typing import Any, SupportsIndex
 
 import torch
 
+from .._base.feedback import unknown_options
 from .._record.types import BlockRecord
 from .block import BlockPlan
-from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds
+from .curve import BudgetCurve, StoredOp, fmt_bytes, fmt_seconds, stored_table
 from .offload import engines
 from .region import Region
 from .run import Run
 from .step import StepPlan
 
-__all__ = ["Budget", "BudgetCurve", "StoredOp", "parse_bytes", "budget_by_key"]
+__all__ = ["Budget", "BudgetCurve", "StoredOp", "parse_bytes", "budget_by_key", "offload_all"]
 
 Tensor = torch.Tensor
 _BlockPlan = BlockPlan  # (the benchmarks time it by this name)
@@ -94,7 +96,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+_SIZE = re.compile(r"\s*([-+]?\s*(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))\s*([A-Za-z]*)\s*")
 
 
 #: The largest budget: no memory holds more bytes than a signed 64-bit count.
@@ -127,9 +129,12 @@ def parse_bytes(value: Any) -> int:
                 f"budget {value!r} is not a size: write a number and a unit, e.g. '2GiB', '1.5GB', "
                 "'800MB', '512MiB' or '1000000' (units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
             )
-        n = round(Fraction(m.group(1)) * _UNITS[unit])  # exact: no float overflow or rounding
+        n = round(Fraction(m.group(1).replace(" ", "")) * _UNITS[unit])  # exact: no float overflow or rounding
     if n < 0:
-        raise ValueError(f"budget must be >= 0 bytes, got {value!r}")
+        raise ValueError(
+            f"budget {value!r} is negative: a budget is a number of bytes >= 0 (0 keeps as little as "
+            "recompute and offload can)"
+        )
     if n > MAX_BYTES:
         text = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(str(value))} characters)"
         raise ValueError(f"budget {text} is more bytes than any memory holds: the largest is 2**63 - 1")
@@ -208,7 +213,11 @@ class Budget:
         ...
     """
 
-    def __init__(self, budget: int | str | SupportsIndex, offload: bool | int | str | None = None) -> None:
+    def __init__(
+        self, budget: int | str | SupportsIndex, offload: bool | int | str | None = None, **misspelled: Any
+    ) -> None:
+        if misspelled:
+            raise unknown_options("Budget", misspelled, ("budget", "offload"))
         self.bytes = parse_bytes(budget)
         self._offload_arg = offload
         self.offload = _offload_limit(offload)
@@ -287,6 +296,27 @@ class Budget:
         the scopes it offloads."""
         r = self._result()
         return [] if r is None else list(r.stored)
+
+    def stored_table(self, by: str = "module") -> str:
+        """:meth:`stored_ops` as a table, grouped ``by`` ``"module"`` (the module path inside
+        the layer each tensor was saved in, as the saved-tensor report's ``by="module"``),
+        ``"block"``, or ``"op"`` (module, op and source line, with the plan's reason): the
+        bytes kept, offloaded and recomputed, largest first.
+
+        Example::
+
+            >>> import torch, torch.nn as nn
+            >>> from gradient_scope import Budget, apply_recompute
+            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(2)))
+            >>> budget = Budget("16KiB")
+            >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
+            >>> print(budget.plan(lambda: model(torch.randn(32, 32)).sum().backward()).stored_table())
+            ... # doctest: +ELLIPSIS
+            module        kept   offloaded  recomputed
+            ------------------------------------------
+            ...
+        """
+        return stored_table(self.stored_ops(), by)
 
     def curve(self) -> BudgetCurve:
         """The predicted bytes against step time for every budget, from the last
@@ -375,3 +405,30 @@ class Budget:
     def _close_region(self, region: Region, output: Any) -> None:
         """That forward ended (also when it raised)."""
         self._run.close_region(region, output)
+
+
+# help(), inspect.signature and IDEs show the real options (``**misspelled`` only catches
+# misspellings, to name the option meant).
+_init = inspect.signature(Budget.__init__)
+Budget.__signature__ = _init.replace(  # type: ignore[attr-defined]
+    parameters=[p for name, p in _init.parameters.items() if name not in ("self", "misspelled")],
+    return_annotation=inspect.Signature.empty,
+)
+
+
+def offload_all() -> Budget:
+    """What transformers' ``offload=True`` asks for, as a budget: ``Budget(0, offload=True)``,
+    the device keeping as little as recompute and offload can make it -- each saved tensor
+    of the scoped blocks recomputed or offloaded (whichever the plan predicts faster), and
+    the inputs the blocks keep for replay and what the code outside them saves offloaded
+    to pinned host memory, as many bytes as it takes. What neither can move (the floor)
+    stays; being asked for the least, the budget does not warn that it is below it.
+
+    Example::
+
+        >>> offload_all()
+        Budget('0 B', offload=True)
+    """
+    budget = Budget(0, offload=True)
+    budget._run.warned.add("floor")  # (asked for the least: the floor is the answer, not a surprise)
+    return budget

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-__all__ = ["StoredOp", "CurvePoint", "BudgetCurve", "fmt_bytes", "fmt_seconds"]
+__all__ = ["StoredOp", "CurvePoint", "BudgetCurve", "fmt_bytes", "fmt_seconds", "stored_table"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -30,13 +30,56 @@ class StoredOp(NamedTuple):
     memory anyway), and what the plan does with it: ``"kept"`` on the device,
     ``"offloaded"`` to host memory, or ``"recomputed"``. Outside tensors a block keeps
     for replay and tensors the code outside the scopes saves show with their storage
-    (op ``"input"``, or the autograd node that saved them)."""
+    (op ``"input"``, or the autograd node that saved them).
+
+    ``module`` and ``line``: where autograd saved it, as the saved-tensor report names a
+    save -- the path of the module running then (from the model's root) and the source
+    line (``modeling_llama.py:57``), from the step the plan measured ("" where unknown).
+    ``why``: the plan's reason, in words (the recompute time it spares per byte, the
+    copy it moves to host memory)."""
 
     block: str
     op: str
     output: int
     nbytes: int
     how: str = "kept"
+    module: str = ""
+    line: str = ""
+    why: str = ""
+
+
+_HOW = ("kept", "offloaded", "recomputed")
+_BY = {
+    "module": lambda r: r.module or r.block,
+    "block": lambda r: r.block,
+    "op": lambda r: f"{r.module or r.block}  {r.op}  {r.line}".rstrip(),
+}
+
+
+def stored_table(rows: list[StoredOp], by: str = "module") -> str:
+    """``rows`` (a plan's stored ops) as a table grouped ``by`` ``"module"`` (the module
+    path each was saved in: the report's ``by="module"``), ``"block"`` or ``"op"`` (one row
+    per module, op and source line): the bytes kept, offloaded and recomputed, largest
+    groups first; ``"op"`` adds the plan's reason of the group's largest row."""
+    if by not in _BY:
+        raise ValueError(f"stored_ops table: by must be one of {', '.join(map(repr, _BY))}, got {by!r}")
+    groups: dict[str, dict[str, int]] = {}
+    why: dict[str, tuple[int, str]] = {}
+    for r in rows:
+        key = _BY[by](r)
+        g = groups.setdefault(key, dict.fromkeys(_HOW, 0))
+        g[r.how] = g.get(r.how, 0) + r.nbytes
+        if r.why and r.nbytes >= why.get(key, (-1, ""))[0]:
+            why[key] = (r.nbytes, r.why)
+    order = sorted(groups, key=lambda k: -sum(groups[k].values()))
+    width = max([len(by), *map(len, order)])
+    head = f"{by:<{width}}  {'kept':>10}  {'offloaded':>10}  {'recomputed':>10}"
+    lines = [head, "-" * len(head)]
+    for key in order:
+        g = groups[key]
+        line = f"{key:<{width}}  " + "  ".join(f"{fmt_bytes(g[h]):>10}" for h in _HOW)
+        lines.append(line + (f"  {why[key][1]}" if by == "op" and key in why else ""))
+    return "\n".join(lines)
 
 
 class CurvePoint(NamedTuple):

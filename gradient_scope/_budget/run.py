@@ -76,6 +76,8 @@ class Run:
         # the plan of the last step's structure (M8 [ the figures of the last step's plan ])
         self.result: StepPlan | None = None
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
+        # (site, structure) -> where each save of its block ran, as last measured (stored_ops)
+        self.wheres: dict[tuple[Hashable, Any], dict[Place, tuple[str, str]]] = {}
 
     # -- steps (M2 [ what a step is ])
 
@@ -250,7 +252,11 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
         index = {place: v for v, place in enumerate(m.places)}
         graph = BlockGraph(label, g.costs, g.reads, g.producers, g.cuttable, g.needs,
                            tuple(index[p] for p in bp.saved if p in index))  # fmt: skip
-        seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views)))
+        if bp.where:  # measured in this step: where its saves ran (kept for the planned steps)
+            self.wheres[(bp.site, bp.keys)] = dict(bp.where)
+        wheres = self.wheres.get((bp.site, bp.keys), {})
+        seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng,
+                              set(bp.views), wheres))  # fmt: skip
     saves: list[SaveSeen] = [s for r in regions for s in r.saves]
     exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
     device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")

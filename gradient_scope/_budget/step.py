@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .curve import CurvePoint, StoredOp
+from .curve import CurvePoint, StoredOp, fmt_bytes, fmt_seconds
 from .hostpool import footprint
 from .measure import Measured
 from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide
@@ -61,6 +61,7 @@ class BlockSeen:
     rng: frozenset[int]  # of them, generator states (host memory, never offloaded)
     # of them, saved as views by autograd too (N2 [ a storage with two holders ])
     views: set[int] = field(default_factory=set)
+    where: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)  # (module, line) of each save
 
 
 @dataclass
@@ -242,19 +243,43 @@ def _peak(blocks: list[BlockSeen], choices: list[BlockChoice], it: _Items, d: De
     return top + 2 * max(sizes, default=0)
 
 
+def _why(how: str, spared: float, nbytes: int) -> str:
+    """The plan's reason for one candidate, in words (K3 [ the plan is a chain ],
+    K7 [ the prefix of least predicted time ])."""
+    if nbytes == 0:
+        return "in memory anyway (another block keeps its storage): keeping it costs no bytes"
+    per = f"{fmt_seconds(spared)} of recompute per step for {fmt_bytes(nbytes)}"
+    per += f" ({fmt_seconds(spared * 2**20 / nbytes)} per MiB)"
+    if how == "kept":
+        return f"kept: spares {per}, among the most per byte that fit the budget"
+    if how == "offloaded":
+        return f"offloaded: spares {per}; no room on the device, and its copy is predicted to cost less"
+    return f"recomputed: keeping it would spare {per}; the budget is filled by tensors sparing more per byte"
+
+
 def _stored(blocks: list[BlockSeen], choices: list[BlockChoice], saves: list[SaveSeen],
-            it: _Items, d: Decision) -> list[StoredOp]:  # fmt: skip
+            it: _Items, d: Decision, chain: Chain) -> list[StoredOp]:  # fmt: skip
     out: list[StoredOp] = []
-    for _c, cand in enumerate(it.cands):
+    at = {c: k for k, c in enumerate(chain.order)}
+    for c, cand in enumerate(it.cands):
         bs, ch = blocks[cand.block], choices[cand.block]
+        k0 = at.get(c)
+        # K3 [ the plan is a chain ]: its gain in the chain
+        spared = 0.0 if k0 is None else chain.cost[k0] - chain.cost[k0 + 1]
         for v in cand.values:
             op, k = bs.measured.places[v]
             how = "kept" if (op, k) in ch.chosen else "offloaded" if (op, k) in ch.offloaded else "recomputed"
-            out.append(StoredOp(bs.label, bs.measured.names[op], k, cand.nbytes, how))
+            module, line = bs.where.get((op, k), ("", ""))
+            why = _why(how, spared, cand.nbytes)
+            out.append(StoredOp(bs.label, bs.measured.names[op], k, cand.nbytes, how, module, line, why))
     for i in d.offloaded_floor:
         b, n = it.floor_kind[i]
-        name, label = (saves[n].name, "(outside scopes)") if b == -1 else ("input", blocks[b].label)
-        out.append(StoredOp(label, name, n, it.floor[i].nbytes, "offloaded"))
+        if b == -1:
+            name, label, why = saves[n].name, "(outside scopes)", "saved by code outside the scopes"
+        else:
+            name, label, why = "input", blocks[b].label, "kept by the block for its replay"
+        why = f"offloaded: {why}, so it cannot be recomputed; the device budget moves it to host memory"
+        out.append(StoredOp(label, name, n, it.floor[i].nbytes, "offloaded", why=why))
     return out
 
 
@@ -310,7 +335,7 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         _peak(blocks, choices, it, d, params or []),
         d.below,
     )
-    plan.stored = _stored(blocks, choices, saves, it, d)
+    plan.stored = _stored(blocks, choices, saves, it, d, chain)
     plan.seen = blocks
     plan.curve = points
     return plan

@@ -10,7 +10,6 @@ it (a parameter, an input), and the shape, dtype and source line of that save.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._base.lines import source
 from .where import Location, storage_of
 
 __all__ = ["SavedTensorsRow", "Tally", "RowKey", "group_rows", "GROUPINGS"]
@@ -119,10 +119,7 @@ def _rank(s: _Storage) -> tuple[bool, int, int]:
 
 
 def _source(where: Location | None) -> str:
-    if where is None:
-        return ""
-    code, line = where
-    return f"{os.path.basename(code.co_filename)}:{line}"
+    return source(where)
 
 
 class Tally:

@@ -21,12 +21,11 @@ names paths from each root's class name, and sees every thread.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,44 +33,15 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
+from .._base.lines import Location, user_line
 from .._base.torch_compat import storage_id
 
-__all__ = ["ModuleStack", "OpTracker", "NO_MODULE", "op_name", "python_caller", "storage_of", "user_line"]
+__all__ = ["ModuleStack", "OpTracker", "NO_MODULE", "Location", "op_name", "python_caller", "storage_of", "user_line"]
 
 NO_MODULE = "(no module)"
 UNKNOWN_OP = "(unknown)"
 Tensor = torch.Tensor
-#: (code, line) of user code; formatted as ``file.py:57`` only when shown.
-Location = tuple[CodeType, int]
-
 _compiling: Callable[[], bool] = torch.compiler.is_compiling
-
-_LIB_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (torch, sys.modules[__name__.partition(".")[0]])  # torch and the whole package
-    if m.__file__ is not None
-)
-# Code that torch generates (fx graphs) or imports itself: never the user's line.
-_GENERATED = ("<eval_with_key>", "<frozen ", "<torch_package_")
-# By file name, not code object: a code object kept here would keep alive what hangs on
-# it (dynamo's cache entries and their guards, which hold the compiled model's tensors).
-_is_lib: dict[str, bool] = {}
-
-
-def user_line(frame: FrameType | None) -> Location | None:
-    """The innermost frame at or above ``frame`` outside torch and this package."""
-    while frame is not None:
-        code = frame.f_code
-        name = code.co_filename
-        lib = _is_lib.get(name)
-        if lib is None:
-            if len(_is_lib) > 8192:
-                _is_lib.clear()
-            lib = _is_lib[name] = name.startswith(_GENERATED) or name.startswith(_LIB_DIRS)
-        if not lib:
-            return code, frame.f_lineno
-        frame = frame.f_back
-    return None
 
 
 def storage_of(t: Tensor) -> tuple[int, Any, int]:

@@ -16,10 +16,21 @@ when training starts -- the next training forward (module in training mode, grad
 enabled) turns transformers' checkpointing off through the model's own
 ``activation_checkpointing_disable()`` and warns once (``UserWarning``): **scopes
 win**. It warns again only if something turns it on again.
+
+In a training forward (module in training mode, grad enabled) :func:`enable` also does
+what transformers' checkpointing does with the KV cache: the models inside it run with
+``use_cache=False`` (a cache kept by the output would hold every layer's keys and values
+until the output dies, in custom loops through backward), and each scoped layer gets
+``use_cache=False`` and no ``cache`` / ``layer_past`` (unless its class says it only reads
+the cache, ``_can_checkpoint_with_cache``), as transformers' ``GradientCheckpointingLayer``
+does. When that changed something it says so once per model (a ``WARNING`` on the
+``gradient_scope`` logger, as transformers logs its own). Evaluation and generation
+(``eval()`` or no grad) keep the cache.
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any
 
@@ -36,7 +47,9 @@ except ImportError as e:  # pragma: no cover (transformers is in the test extra)
 
 from .._api.helpers import detach_budget, scope_modules
 from .._api.selection import check_every_n
-from .._base.feedback import warn_user
+from .._base.errors import check_bool
+from .._base.feedback import logger, warn_user
+from .._budget.budget import Budget, offload_all
 
 __all__ = ["enable", "disable"]
 
@@ -88,20 +101,108 @@ def _turn_off_hf_checkpointing(model: nn.Module) -> None:
         off()
 
 
+def _training(module: nn.Module) -> bool:
+    """transformers' condition for checkpointing a forward (and dropping its cache)."""
+    return module.training and torch.is_grad_enabled()
+
+
+def _use_cache_position(model: nn.Module) -> int | None:
+    """Where ``use_cache`` sits among ``model.forward``'s positional parameters; -1 when it
+    is keyword-only; None when the forward takes no ``use_cache``."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: leave the model alone
+        return None
+    for i, p in enumerate(params):
+        if p.name == "use_cache":
+            return i if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else -1
+    return None
+
+
+class _CacheOff:
+    """The forward pre-hooks (with kwargs) that keep a training forward from building a KV
+    cache, as transformers' checkpointing does: ``model`` on each transformers model with a
+    ``use_cache`` parameter (``merge_with_config_defaults``'s rule: an explicit value, else
+    the config's), ``layer`` on each scoped layer (``GradientCheckpointingLayer``'s rule, on
+    keyword arguments). Says so once, the first time it changes something."""
+
+    def __init__(self, positions: dict[nn.Module, int]) -> None:
+        self.positions = positions  # model -> position of use_cache (-1: keyword-only)
+        self.said = False
+
+    def _say(self, where: str, what: str) -> None:
+        if not self.said:
+            self.said = True
+            logger.warning(
+                "gradient_scope: enable(): training forwards of %s run with %s, as with transformers' own "
+                "activation checkpointing: a KV cache would hold every layer's keys and values as long as "
+                "the output lives (through backward where the loop keeps the output). Evaluation and "
+                "generation (eval() or torch.no_grad()) keep the cache.",
+                where,
+                what,
+            )
+
+    def model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _training(module):
+            return None
+        at = self.positions.get(module, -1)
+        positional = 0 <= at < len(args)
+        value = args[at] if positional else kwargs.get("use_cache")
+        if value is None:
+            value = getattr(getattr(module, "config", None), "use_cache", None)
+        if not value:
+            return None
+        if positional:
+            args = (*args[:at], False, *args[at + 1 :])
+        else:
+            kwargs = {**kwargs, "use_cache": False}
+        self._say(type(module).__name__, "use_cache=False")
+        return args, kwargs
+
+    def layer(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _training(module):
+            return None
+        changed: dict[str, bool | None] = {}
+        if kwargs.get("use_cache"):
+            changed["use_cache"] = False
+        if not getattr(module, "_can_checkpoint_with_cache", False):
+            # (different names for the same thing in different layers, as transformers says)
+            changed.update({k: None for k in ("cache", "layer_past") if kwargs.get(k) is not None})
+        if not changed:
+            return None
+        self._say(type(module).__name__, ", ".join(f"{k}={v}" for k, v in changed.items()))
+        return args, {**kwargs, **changed}
+
+
+def _cache_hooks(model: nn.Module, chosen: list[nn.Module]) -> list[Any]:
+    """Put :class:`_CacheOff`'s hooks on the transformers models that hold a chosen layer
+    and on the chosen layers; their handles."""
+    ids = {id(m) for m in chosen}
+    positions: dict[nn.Module, int] = {}
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and any(id(x) in ids for x in m.modules()):
+            at = _use_cache_position(m)
+            if at is not None:
+                positions[m] = at
+    off = _CacheOff(positions)
+    handles = [m.register_forward_pre_hook(off.model, with_kwargs=True) for m in positions]
+    return handles + [m.register_forward_pre_hook(off.layer, with_kwargs=True) for m in chosen]
+
+
 class _Enabled:
     """What :func:`enable` changed on one model, for :func:`disable`."""
 
-    __slots__ = ("before", "handle")
+    __slots__ = ("before", "handles")
 
-    def __init__(self, before: list[tuple[nn.Module, Any]], handle: Any) -> None:
+    def __init__(self, before: list[tuple[nn.Module, Any]], handles: list[Any]) -> None:
         self.before = before  # (layer, its ``forward`` instance attribute or _ABSENT)
-        self.handle = handle  # the guard's hook
+        self.handles = handles  # the guard's hook and the cache hooks
 
 
 _ENABLED: weakref.WeakKeyDictionary[nn.Module, _Enabled] = weakref.WeakKeyDictionary()
 
 
-def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> nn.Module:
+def enable(model: nn.Module, every_n_layers: int = 1, offload: bool = False, **scope_options: Any) -> nn.Module:
     """Run every ``every_n_layers``-th transformers layer of ``model`` in its own scope.
 
     The layers are the model's ``GradientCheckpointingLayer`` instances (every
@@ -122,18 +223,32 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     Logs one line at INFO on the ``gradient_scope`` logger: the layers scoped
     (their paths) and the options.
 
+    ``every_n_layers`` and ``offload`` are transformers' own
+    ``activation_checkpointing_enable`` arguments, with their meaning: a port
+    from it changes the method's name only.
+
     Args:
         model: the model, changed in place.
         every_n_layers: scope layers 0, n, 2n, ... (1: every layer).
+        offload: as transformers' ``offload=True``, keep what the layers save in
+            pinned host memory rather than on the accelerator: the scopes get
+            ``budget=Budget(0, offload=True)`` (``gradient_scope._budget.budget.offload_all``):
+            the device keeps as little as recompute and offload can make it, each
+            saved tensor recomputed or offloaded as the plan predicts faster, and
+            the floor that neither can move does not warn. With ``budget=`` given
+            as bytes, that budget offloads (``Budget(budget, offload=True)``). On a
+            CPU there is nowhere to offload to: it changes nothing and says so once.
         **scope_options: options of each scope (``save=``, ``preserve_rng_state=``,
-            ``debug=``, ...), passed on to :func:`~gradient_scope.apply_recompute`.
+            ``debug=``, ``budget=``, ...), passed on to :func:`~gradient_scope.apply_recompute`.
 
     Returns:
         ``model``.
 
     Raises:
         ValueError: ``model`` has no ``GradientCheckpointingLayer``, or
-            ``every_n_layers`` is not a positive int.
+            ``every_n_layers`` is not a positive int, or ``offload=True`` with a
+            ``Budget`` that does not offload.
+        TypeError: an unknown option (the message names the one meant).
 
     Example::
 
@@ -150,6 +265,9 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     if not isinstance(model, nn.Module):
         raise TypeError(f"enable: model must be a torch.nn.Module, got {type(model).__name__}")
     every_n_layers = check_every_n("enable", every_n_layers)
+    shown = {"every_n_layers": every_n_layers, **({"offload": True} if offload else {}), **scope_options}
+    if check_bool("enable", "offload", offload):
+        scope_options = {**scope_options, "budget": _offloading(scope_options.get("budget"))}
     layers: list[nn.Module] = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(
@@ -163,12 +281,27 @@ def enable(model: nn.Module, every_n_layers: int = 1, **scope_options: Any) -> n
     ids = {id(m) for m in chosen}
     before = [(m, m.__dict__.get("forward", _ABSENT)) for m in chosen]
     # Validates the options (unknown or invalid ones raise) before changing anything.
-    shown = {"every_n_layers": every_n_layers, **scope_options}
     what = f"of {len(layers)} layers"
-    scope_modules(model, lambda m: id(m) in ids, 1, scope_options, "enable", what, shown)
-    handle = model.register_forward_pre_hook(_Guard(layers))
-    _ENABLED[model] = _Enabled(before, handle)
+    own = ("every_n_layers", "offload")
+    scope_modules(model, lambda m: id(m) in ids, 1, scope_options, "enable", what, shown, own)
+    handles = [model.register_forward_pre_hook(_Guard(layers)), *_cache_hooks(model, chosen)]
+    _ENABLED[model] = _Enabled(before, handles)
     return model
+
+
+def _offloading(budget: Any) -> Budget:
+    """``enable(offload=True)``'s budget, given the ``budget=`` option (see :func:`enable`)."""
+    if budget is None:
+        return offload_all()
+    if not isinstance(budget, Budget):
+        return Budget(budget, offload=True)
+    if budget.offload is None:
+        raise ValueError(
+            f"enable: offload=True with budget={budget!r}, which does not offload. Pass "
+            f"budget=Budget({budget.bytes}, offload=True) instead (or offload= the host bytes it may fill, "
+            "e.g. '64GiB')."
+        )
+    return budget
 
 
 def disable(model: nn.Module) -> nn.Module:
@@ -190,7 +323,8 @@ def disable(model: nn.Module) -> nn.Module:
             f"disable: gradient_scope.integrations.transformers.enable() was not called on this "
             f"{type(model).__name__} (or disable() already was)."
         )
-    state.handle.remove()
+    for handle in state.handles:
+        handle.remove()
     detach_budget(model)
     for layer, forward in state.before:
         if forward is _ABSENT:

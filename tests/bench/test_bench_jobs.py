@@ -43,8 +43,11 @@ def test_budget_case_tiny():
     from benchmarks.gpt import case
 
     c = case(GPTConfig(vocab=64, seq=16, d_model=32, n_head=2, n_layer=2, batch=2))
-    with torch.random.fork_rng():
+    # The sweep runs budgets below the floor on purpose (from Budget(0) up): each warns once.
+    with torch.random.fork_rng(), pytest.warns(UserWarning, match="is below the floor") as caught:
         res = budget.run_case(c, rounds=1, points=1, log=lambda m: None, hand=["scope_layer", "checkpoint"])
+    ours = [str(w.message) for w in caught if str(w.message).startswith("gradient_scope")]
+    assert ours and all("is below the floor of these scopes" in m for m in ours), ours
     S = res["strategies"]
     assert {"plain", "plain_again", "scope_layer", "checkpoint"} <= set(S)
     budgets = [v for v in S.values() if "budget" in v]

@@ -1,5 +1,5 @@
-"""Tensor subclasses read by a block: wrappers without a real storage, and the
-quantised weights users train adapters on (torchao's NF4, QLoRA-style).
+"""Tensor subclasses read by a block: wrappers without a real storage (the quantised
+weights users train adapters on, torchao's NF4, are in ``test_hf_qlora.py``).
 
 A wrapper made with ``torch.Tensor._make_wrapper_subclass`` has a placeholder
 storage, and each of its aliases (``detach()``) is a new wrapper with a new
@@ -7,11 +7,9 @@ placeholder: "was given another storage" must mean what it means for a plain
 tensor (the tensor's own storage changed), not "an alias has another one".
 """
 
-import gc
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from gradient_scope import RecomputeError, recompute_scope
@@ -111,52 +109,4 @@ def test_interception_gone_after_replay_raised():
     with pytest.raises(RecomputeError):
         loss.backward()
     del loss
-    assert_interception_gone()
-
-
-# --- torchao NF4 (QLoRA: a frozen quantised base weight, a trained LoRA adapter) ------
-
-nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-
-
-class QLoRALinear(torch.nn.Module):
-    def __init__(self, d_in, d_out, rank):
-        super().__init__()
-        base = torch.randn(d_out, d_in)
-        self.weight = torch.nn.Parameter(nf4.to_nf4(base), requires_grad=False)
-        self.lora_a = torch.nn.Parameter(torch.randn(rank, d_in) * 0.1)
-        self.lora_b = torch.nn.Parameter(torch.randn(d_out, rank) * 0.1)
-
-    def forward(self, x):
-        return nf4.linear_nf4(x, self.weight) + F.linear(F.linear(x, self.lora_a), self.lora_b) * 0.5
-
-
-def _qlora_program(scope):
-    layers = torch.nn.ModuleList([QLoRALinear(128, 128, 4) for _ in range(2)])
-    x = torch.randn(3, 5, 128, requires_grad=True)
-
-    def fwd():
-        h = x
-        for layer in layers:
-            with scope():
-                h = F.gelu(layer(h)) + h
-        return h.pow(2).mean()
-
-    fwd().backward()
-    out = grads({"x": x})
-    for i, layer in enumerate(layers):
-        out[f"{i}.lora_a"] = layer.lora_a.grad
-        out[f"{i}.lora_b"] = layer.lora_b.grad
-    return out
-
-
-def test_nf4_qlora_bitwise():
-    torch.manual_seed(0)
-    expected = _qlora_program(PlainScopes())
-    torch.manual_seed(0)
-    scopes = Scopes()
-    actual = _qlora_program(scopes)
-    assert_all_same(actual, expected)
-    assert sum(s.stats.tensors_packed for s in scopes.created) > 0  # recomputation happened
-    gc.collect()
     assert_interception_gone()

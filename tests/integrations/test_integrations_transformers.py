@@ -275,7 +275,7 @@ def test_docs_recipes_run(tmp_path, monkeypatch):
 
     page = ROOT / "docs" / "huggingface.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     for code in blocks:

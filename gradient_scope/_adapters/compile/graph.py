@@ -68,7 +68,7 @@ from ..._base.errors import check_bool
 from ..._base.feedback import warn_once
 from ..._base.ops import facts
 from ..._base.options import scopes_disabled
-from ..._base.stats import ScopeStats
+from ..._base.stats import ScopeStats, sink_by_key
 from ..._base.torch_compat import OpOverload, op_schema
 from ..._budget.budget import budget_by_key
 from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
@@ -191,13 +191,15 @@ def _prepare(
     enabled: Any = True,
     debug: Any = False,
     budget_given: int | bool = False,
+    sink: int = 0,
 ) -> tuple[Any, CompiledScope]:
     """Run for real while dynamo traces (``assume_constant_result``): check the options,
     register the scope, open the compile session. Returns ``(spec, scope)``: ``spec`` is
     the annotation value ``(region, scope_id)``, None for a no-op block, or
     ``"eager"`` when this torch cannot compile scopes. ``budget_given``: the key of the
     scope's ``Budget`` (``_budget.budget.budget_by_key``), whose plan the joint-graph pass
-    applies (``.budget``)."""
+    applies (``.budget``). ``sink``: the key of a model helper's stats
+    (``_base.stats.compiled_sink``) that the scope's compile-time figures add into."""
     budget = budget_by_key(budget_given) if type(budget_given) is int else None
     options = dict(
         preserve_rng_state=check_bool("recompute_scope", "preserve_rng_state", preserve_rng_state),
@@ -207,6 +209,9 @@ def _prepare(
     )
     policy = as_save_policy(save)
     scope = CompiledScope(options)
+    shared = sink_by_key(sink) if type(sink) is int and sink else None
+    if shared is not None:
+        scope.stats = shared  # each graph compiled adds its figures: the module's total
     if _MISSING is not None:
         _warn_fallback(_MISSING)
         return "eager", scope
