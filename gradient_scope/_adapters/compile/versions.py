@@ -37,6 +37,10 @@ checked by the same op, or autograd's check of another one raises first.
    for RNG states (and check the first of ours); it marks the RNG states too. Both
    wrappers act only on graphs with these ops.
 
+A graph whose scopes recompute nothing (a budget at plain's bytes or more) reads in its
+backward what the graph without scopes reads: it is that program, autograd's check
+included, and gets no version ops (the joint-graph pass asks ``_recomputes`` first).
+
 Inputs the graph writes itself (:mod:`._compile_inputs`) keep autograd's check:
 their versions move during the call. Nothing changes (the inputs keep autograd's check
 and its error) where AOTAutograd's metadata is not found (another torch), and for
