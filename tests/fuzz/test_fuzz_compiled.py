@@ -27,6 +27,11 @@ Budgets: the same programs with a Budget given to every scope without ``save=`` 
 applied inside compiled code; eager scopes around compiled functions follow it), three
 steps without resetting dynamo: each step must give what the scoped run without a budget
 gives, bitwise (``GS_DIFF_COMPILED_BUDGET_EXAMPLES``, default 2, and two fixed programs).
+Under dynamic shapes (``dynamic=True``, ``mark_dynamic``, automatic dynamic after a length
+change) with alternating lengths: pre-norm blocks with a Budget give, at every length,
+the outputs and gradients of the program without scopes, and the plan (made at the traced
+sizes) is above 0 bytes and within a budget above the floor
+(``GS_DIFF_COMPILED_DYNAMIC_EXAMPLES``, default 2, and two fixed programs).
 
 Size: ``GS_DIFF_COMPILED_EXAMPLES`` examples (default 10: each compiles two graphs),
 derandomized unless ``GS_DIFF_RANDOM=1``; backend ``aot_eager``, or inductor with
@@ -430,3 +435,103 @@ def test_compiled_programs_with_budgets_behave_as_without(program):
     if not _has_scope(program["items"]):
         reject()
     check_budget_program({**program, "backend": BACKEND})
+
+
+# --------------------------------------------------------------------------------------
+# compiled budgets under dynamic shapes, alternating lengths (issue 37)
+
+N_DYNAMIC_EXAMPLES = int(os.environ.get("GS_DIFF_COMPILED_DYNAMIC_EXAMPLES", "2"))
+
+
+class _Blocks(torch.nn.Module):
+    """Pre-norm residual blocks (``conftest.ResidualMLP`` without dropout) whose
+    forwards a program scopes: its ``ops`` pick what each block runs."""
+
+    def __init__(self, n: int, ops: list[str]) -> None:
+        super().__init__()
+        from conftest import ResidualMLP
+
+        self.blocks = torch.nn.ModuleList([ResidualMLP(8) for _ in range(n)])
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, budget: Any) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            with recompute_scope(budget=budget) if budget is not None else contextlib.nullcontext():
+                h = block.ln(x)
+                op = self.ops[i % len(self.ops)]
+                h = {"gelu": F.gelu, "tanh": torch.tanh, "softmax": lambda t: t.softmax(-1)}[op](block.fc1(h))
+                x = x + block.fc2(h)
+        return x
+
+
+def _dynamic_run(program: dict, budget: Any) -> list[list[torch.Tensor]]:
+    """The program's lengths in turn, one compiled model (dynamo reset first): per
+    length, the output and every gradient."""
+    torch._dynamo.reset()
+    torch.manual_seed(program["seed"])
+    model = _Blocks(program["blocks"], program["ops"])
+    dynamic = True if program["how"] == "dynamic=True" else None  # (None: static, then automatic dynamic)
+    compiled = torch.compile(lambda x: model(x, budget), backend=BACKEND, dynamic=dynamic)
+    g = torch.Generator().manual_seed(program["seed"])
+    results = []
+    for length in program["lengths"]:
+        x = torch.randn(2, length, 8, generator=g, requires_grad=True)
+        if program["how"] == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 1)
+        model.zero_grad(set_to_none=True)
+        out = compiled(x)
+        out.square().sum().backward()
+        results.append([out.detach(), x.grad, *(p.grad for p in model.parameters())])
+    return results
+
+
+def check_dynamic_budget_program(program: dict) -> str:
+    """Every length's output and gradients with a budget equal those without scopes,
+    bitwise (``aot_eager``) or close (inductor); the plan, made at traced sizes, is
+    within the budget above the floor and never 0 bytes for a budget above the floor."""
+    plain = _dynamic_run(program, None)
+    budget = Budget(program["budget"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (below the floor; planned at the traced sizes)
+        got = _dynamic_run(program, budget)
+    torch._dynamo.reset()
+    for a, e in zip(got, plain):
+        if not (_bitwise(a, e) if BACKEND == "aot_eager" else _close(a, e)):
+            raise AssertionError(f"a compiled budget changed a result\nprogram={program!r}")
+    assert budget.planned_bytes is not None and budget.floor_bytes is not None
+    if budget.bytes >= budget.floor_bytes:
+        assert budget.planned_bytes <= budget.bytes, f"planned over the budget\nprogram={program!r}"
+    assert budget.planned_bytes > 0, f"a plan of 0 bytes (sizes counted 0)\nprogram={program!r}"
+    outcome = f"{program['how']}: {'within' if budget.bytes >= budget.floor_bytes else 'below the floor'}"
+    _count(outcome)
+    return outcome
+
+
+dynamic_program_st = st.fixed_dictionaries(
+    {
+        "how": st.sampled_from(["dynamic=True", "mark_dynamic", "automatic"]),
+        "blocks": st.integers(1, 3),
+        "ops": st.lists(st.sampled_from(["gelu", "tanh", "softmax"]), min_size=1, max_size=3),
+        "lengths": st.lists(st.integers(2, 9), min_size=2, max_size=4),
+        "budget": st.one_of(st.just(10**9), st.integers(0, 12_000)),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@settings(
+    max_examples=N_DYNAMIC_EXAMPLES,
+    deadline=None,
+    derandomize=not RANDOM,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+@given(program=dynamic_program_st)
+# Alternating lengths: automatic dynamic recompiles at the second length, then reuses it.
+@example(program={"how": "automatic", "blocks": 3, "ops": ["gelu"], "lengths": [8, 5, 8, 5], "budget": 6000, "seed": 1})
+@example(program={"how": "mark_dynamic", "blocks": 2, "ops": ["softmax"], "lengths": [6, 3], "budget": 4000, "seed": 2})
+def test_compiled_budgets_under_dynamic_shapes_change_no_result(program):
+    """Compiled budgets under ``dynamic=True``, ``mark_dynamic`` and automatic dynamic
+    (alternating lengths): results equal the compiled program without scopes."""
+    check_dynamic_budget_program(program)

@@ -72,9 +72,9 @@ from ..._base.stats import ScopeStats, sink_by_key
 from ..._base.torch_compat import OpOverload, op_schema
 from ..._budget.budget import budget_by_key
 from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
-from .budget import keep_within
+from .budget import VERSION_BYTES, keep_within, nbytes
 from .inputs import pin_reads_of_written_inputs
-from .versions import guard_input_versions
+from .versions import checkable_inputs, guard_input_versions
 
 __all__ = ["CompiledScope", "traced_block", "ANNOTATION_KEY"]
 
@@ -353,13 +353,6 @@ def _is_view(node: torch.fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def _nbytes(val: torch.Tensor) -> int:
-    n = val.numel()
-    # A symbolic size (dynamic shapes) is not known at compile time: count 0 bytes
-    # rather than specialise the graph on it.
-    return n * val.element_size() if isinstance(n, int) else 0
-
-
 _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
@@ -436,8 +429,11 @@ def _kept_always(node: torch.fx.Node) -> bool:
     return isinstance(node.target, OpOverload) and facts(node.target).never_replay
 
 
-def _apply_budgets(tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[torch.fx.Node]) -> None:
-    """The scopes with a budget: keep what its plan picks, recompute the rest (``.budget``)."""
+def _apply_budgets(
+    tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[torch.fx.Node], checked: int
+) -> list[tuple[Any, tuple[int, float, int]]]:
+    """The scopes with a budget: keep what its plan picks, recompute the rest (``.budget``).
+    Returns each budget with its plan's figures, noted once the version check is known."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     groups: dict[int, tuple[Any, dict[Any, list[torch.fx.Node]]]] = {}
@@ -445,12 +441,35 @@ def _apply_budgets(tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[tor
         if entry.budget is not None:
             regions = groups.setdefault(id(entry.budget), (entry.budget, {}))[1]
             regions.setdefault(node.meta["ac_graph_id"], []).append(node)
+    planned = []
     for budget, regions in groups.values():
-        kept = keep_within(budget, regions, backward)
+        kept, figures = keep_within(budget, regions, backward, checked)
+        planned.append((budget, figures))
         for nodes in regions.values():
             for node in nodes:
                 keep = node in kept or _kept_always(node)
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
+    return planned
+
+
+def _recomputes(backward: set[torch.fx.Node]) -> bool:
+    """Whether the partitioner will rerun a tagged op in the backward: a ``MUST_RECOMPUTE``
+    op (not a view, alias or tuple access: those are recomputed from what is saved, as in
+    the program without scopes) whose value the backward needs, directly or through other
+    recomputed nodes."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    stack = [a for n in backward for a in n.all_input_nodes]
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node in backward or node.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            continue
+        seen.add(node)
+        if isinstance(node.target, OpOverload) and not _is_view(node) and node.target not in _ALIASES:
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
@@ -478,7 +497,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         node.meta["ac_graph_id"] = region
         tagged.append((node, entry))
     _check_matched(tagged, decisions)
-    _apply_budgets(tagged, backward)
+    planned = _apply_budgets(tagged, backward, checkable_inputs(gm) if tagged else 0)
     # getitem of a multi-output op follows its op (a tuple itself cannot be saved).
     for node, _ in tagged:
         if node.target is not operator.getitem:
@@ -488,9 +507,17 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
             node.meta["recompute"] = parent.meta["recompute"]
     # A graph input the graph writes holds its new value when the backward runs:
     # whatever reads it is stored, never recomputed (in or out of the blocks).
+    # Where no block op is recomputed (a budget at plain's bytes or more), the backward
+    # reads what the program without scopes reads: that program's, version check
+    # included (PyTorch's own error for a write after forward; no saved versions).
+    checked = 0
     if tagged:
         pin_reads_of_written_inputs(gm, backward)
-        guard_input_versions(gm, backward)
+        if _recomputes(backward):
+            checked = guard_input_versions(gm, backward)
+    cpu = any(getattr(n.meta.get("val"), "device", None) == torch.device("cpu") for n, _ in tagged)
+    for budget, (device_bytes, recompute, floor) in planned:
+        budget._note_compiled(device_bytes + (checked * VERSION_BYTES if cpu else 0), recompute, floor)
     # Compile-time stats: block ops, and block tensors the backward graph reads.
     for node, entry in tagged:
         scope = entry.scope()
@@ -507,4 +534,4 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
             and any(u in backward or (u.target in _ALIASES and any(v in backward for v in u.users)) for u in node.users)
         ):
             stats.tensors_packed += 1
-            stats.bytes_packed += _nbytes(node.meta["val"])
+            stats.bytes_packed += nbytes(node.meta["val"])  # (symbolic sizes: at their hint)

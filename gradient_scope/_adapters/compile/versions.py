@@ -37,6 +37,10 @@ checked by the same op, or autograd's check of another one raises first.
    for RNG states (and check the first of ours); it marks the RNG states too. Both
    wrappers act only on graphs with these ops.
 
+A graph whose scopes recompute nothing (a budget at plain's bytes or more) reads in its
+backward what the graph without scopes reads: it is that program, autograd's check
+included, and gets no version ops (the joint-graph pass asks ``_recomputes`` first).
+
 Inputs the graph writes itself (:mod:`._compile_inputs`) keep autograd's check:
 their versions move during the call. Nothing changes (the inputs keep autograd's check
 and its error) where AOTAutograd's metadata is not found (another torch), and for
@@ -65,7 +69,7 @@ import torch._functorch.partitioners as _partitioners
 from ..._base.errors import INPUT_WRITTEN, WEIGHT_UPDATE, RecomputeError
 from .inputs import caller_locals, is_alias, written_inputs
 
-__all__ = ["guard_input_versions"]
+__all__ = ["guard_input_versions", "checkable_inputs"]
 
 # AOTAutograd's names: the joint pass's caller and its locals, the function whose
 # local ``mod`` is dynamo's graph, and the meta key of a tensor saved without a
@@ -244,12 +248,11 @@ def _cudagraphs_on() -> bool:
     return bool(getattr(getattr(config, "triton", None), "cudagraphs", False))
 
 
-def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> int:
-    """Check, in the backward, the versions of the parameters and buffers the backward
-    reads (see the module docstring); returns how many are checked so far (the
-    partitioner may add the ones it saves for its own recomputations: step 4)."""
+def _candidates(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
+    """``(primals, tangents, candidates)``: the parameters and buffers that may be
+    checked (no candidates where the inputs are unknown, there is no backward, or CUDA
+    graphs replay the graph: autograd's check stays)."""
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils.checkpoint import CheckpointPolicy
 
     frame = caller_locals(_PARTITION)
     info = getattr(frame.get("inner_meta"), "input_info", None)
@@ -258,10 +261,25 @@ def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node])
     tangents = [n for n in gm.graph.nodes if n.op == "placeholder" and "tangents" in n.name]
     tangents = [n for n in tangents if isinstance(n.meta.get("val"), FakeTensor)]
     if info is None or static is None or len(info) != len(primals) or not tangents or _cudagraphs_on():
-        return 0  # unknown inputs, no backward, or CUDA graphs: autograd's check stays
+        return primals, tangents, []
     written = written_inputs(gm, list(info))
     candidates = [p for i, p in enumerate(primals) if i in static and p not in written]
-    candidates = [p for p in candidates if isinstance(p.meta.get("val"), FakeTensor)]
+    return primals, tangents, [p for p in candidates if isinstance(p.meta.get("val"), FakeTensor)]
+
+
+def checkable_inputs(gm: torch.fx.GraphModule) -> int:
+    """How many parameters and buffers :func:`guard_input_versions` may check in ``gm``
+    (at most): the version check saves one int64 for each."""
+    return len(_candidates(gm)[2])
+
+
+def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> int:
+    """Check, in the backward, the versions of the parameters and buffers the backward
+    reads (see the module docstring); returns how many are checked so far (the
+    partitioner may add the ones it saves for its own recomputations: step 4)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    primals, tangents, candidates = _candidates(gm)
     bw_nodes = [n for n in gm.graph.nodes if n in backward and n.op != "placeholder"]
     if not candidates or not bw_nodes:
         return 0
