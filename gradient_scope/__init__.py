@@ -14,6 +14,7 @@ from typing import Any
 
 from ._adapters import fsdp as _fsdp
 from ._adapters.steady import run as _steady
+from ._api import calibrate as _calibrate
 from ._api import scope as _scope
 from ._api.checkpoint import checkpoint
 from ._api.helpers import apply_recompute, recompute_sequential, remove_recompute
@@ -23,6 +24,7 @@ from ._base.errors import RecomputeError
 from ._base.options import disabled
 from ._base.stats import ScopeStats
 from ._base.version import __version__ as __version__
+from ._budget import rates as _rates
 from ._budget.budget import Budget
 from ._report.report import SavedTensorsReport, SavedTensorsRow, saved_tensors_report
 from .policies import OpContext, context_policy, name_region, save_any, save_attention, save_matmuls, save_nothing
@@ -44,6 +46,9 @@ _scope.set_traced_block(_traced_block)
 # A function-form scope whose function dynamo captures runs without the recorder once its
 # graph was recorded (imports no torch._dynamo until a function is captured).
 _scope.set_steady_runner(_steady.run)
+# A budget's predicted times count what autograd and the library cost per op, measured
+# once per device by running scopes (``_api.calibrate``).
+_rates.set_calibration(_calibrate.library_costs)
 
 __all__ = [
     "Budget",
