@@ -22,6 +22,9 @@ from gradient_scope._budget.rates import LIBRARY_COSTS, Rates, pinned_rates, rat
 from conftest import PINNED_RATES
 from conftest import ResidualMLP as Block
 
+# Budgets of 0 bytes (every block recomputes all it can) are below the floor, and say so.
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*Budget\(0 B\) is below the floor")
+
 # The pinned rates without the per-op costs: what a plan predicts from kernels alone.
 KERNELS_ONLY = dataclasses.replace(PINNED_RATES, **{k: 0.0 for k in LIBRARY_COSTS})
 
