@@ -18,7 +18,12 @@ For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face mod
   run inside the unpack hook, replays included; recompute FLOPs = backward FLOPs -
   plain's), gradients vs plain (bitwise), step time as medians of per-round ratios to
   plain (interleaved rounds), and for budgets the CPU time spent in the budget's own code
-  per step (the calls scopes make to it: decisions, structure checks, planning).
+  per step (the calls scopes make to it: decisions, structure checks, planning);
+* per budget, the predicted step of the blocks (``Budget.predicted_step_time``: their
+  compute, the library's own cost per op, recompute) against the measured one: the
+  budget's step less the code outside the layers (plain, each layer passing its input
+  through), each the least CPU time of a few steps (the calibration behind the
+  prediction counts CPU time too: on a shared machine wall time counts other programs).
 
 With ``--offload``: ``save_on_cpu`` (torch's offloader), ``offload_all`` (every saved
 tensor through the library's offload engine, nothing recomputed), and ``budget@N+offload``
@@ -134,6 +139,30 @@ def own_time(c: Case, nbytes: int) -> dict[str, float] | None:
     return {"budget_code_s": own, "step_s": step, "fraction": frac}
 
 
+def outside_layers(c: Case) -> Runner:
+    """Plain, with every layer passing its input through: the code outside the layers
+    (embedding, final norm, head, loss) alone."""
+    runner = Runner(c, "plain", share_params=True)
+
+    def passthrough(*args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else kwargs["hidden_states"]
+
+    for m in runner.model.modules():
+        if c.layers(m):
+            m.forward = passthrough  # type: ignore[method-assign]
+    return runner
+
+
+def cpu_step(runner: Runner, steps: int = 7) -> float:
+    """The least CPU time of ``steps`` forward+backward steps of ``runner`` (seconds)."""
+    best = float("inf")
+    for _ in range(steps):
+        t0 = time.process_time()
+        runner.step(SEED)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
 def bwd_flops(runner: Runner) -> int:
     """FLOPs of one backward as the profiler counts them (replayed matmuls included)."""
     runner.model.zero_grad(set_to_none=True)
@@ -179,7 +208,8 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
         m = res["strategies"][name] = _measured(r, ref, base_flops)
         if r.budget is not None:
             m.update(budget=r.budget.bytes, planned=r.budget.planned_bytes, predicted=r.budget.predicted_recompute,
-                     offloaded=r.budget.offloaded_bytes, predicted_step_s=r.budget.predicted_step_time)
+                     offloaded=r.budget.offloaded_bytes, predicted_step_s=r.budget.predicted_step_time,
+                     predicted_library_s=r.budget._run.result.library, cpu_step_s=cpu_step(r))
             m.update(own_time(c, r.budget.bytes) or {})
         log(f"  {name:20s} held {fmt_mib(m['held']):>8} peak {fmt_mib(m['peak']):>8} recompute "
             f"{m['recompute_flops'] / 1e9:.3f} GFLOP bitwise {m['bitwise']}"
@@ -209,6 +239,11 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
     times = interleaved_rounds({n: r.timed_step for n, r in runners.items()}, rounds)
     for n, s in ratio_summary({n: [t["step"] for t in v] for n, v in times.items()}, bases=("plain",)).items():
         res["strategies"][n].update(time_ratio_vs_plain=s["ratio_vs_plain"], time_median_s=s["time_median_s"])
+    res["outside_s"] = cpu_step(outside_layers(c))
+    for v in res["strategies"].values():
+        if v.get("predicted_step_s"):
+            v["blocks_measured_s"] = v["cpu_step_s"] - res["outside_s"]
+            v["predicted_vs_measured"] = v["predicted_step_s"] / v["blocks_measured_s"]
     if inductor:
         res["inductor"] = inductor_points(c, inductor, ref, log)
     res["curve"] = probe0.budget.curve().rows
@@ -272,6 +307,10 @@ def targets(res: dict[str, Any], hand: list[str] = HAND) -> list[dict[str, Any]]
     if fracs:
         add("budget code per step < 1% of a step", max(fracs) < 0.01,
             f"max {100 * max(fracs):.2f}%, planning once {res['planning_s']:.3f} s")
+    ratios = [v["predicted_vs_measured"] for v in budgets if "predicted_vs_measured" in v]
+    if ratios:
+        add("predicted step of the blocks within 15% of the measured one", all(0.85 <= r <= 1.15 for r in ratios),
+            f"predicted / measured from {min(ratios):.2f} to {max(ratios):.2f}")
     add("gradients bitwise equal to plain", all(v["bitwise"] for v in S.values()), "")
     return out
 
@@ -307,7 +346,9 @@ def markdown(results: dict[str, Any]) -> str:
     for name, res in results["cases"].items():
         rows = [[n.split("@")[0], fmt_mib(v.get("budget")), fmt_mib(v["held"]), fmt_mib(v["peak"]),
                  f"{v['recompute_flops'] / 1e9:.3f}", f"{v.get('time_ratio_vs_plain', 0):.3f}x",
-                 f"{100 * v['fraction']:.2f}%" if "fraction" in v else "", v["bitwise"]]
+                 f"{100 * v['fraction']:.2f}%" if "fraction" in v else "",
+                 f"{v['predicted_step_s'] * 1e3:.1f} / {v['blocks_measured_s'] * 1e3:.1f} ms = "
+                 f"{v['predicted_vs_measured']:.2f}" if "predicted_vs_measured" in v else "", v["bitwise"]]
                 for n, v in sorted(res["strategies"].items(), key=lambda kv: ("budget" in kv[1], kv[1]["held"]))]
         lines += [
             f"## {name}", "", res["describe"], "",
@@ -315,7 +356,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"{fmt_mib(res['floor'])} MiB; unscoped part {fmt_mib(res['unscoped'])} MiB; planning (once) "
             f"{res['planning_s'] * 1e3:.1f} ms", "",
             md_table(["strategy", "budget MiB", "held MiB", "peak MiB", "recompute GFLOP", "time vs plain",
-                      "budget code", "bitwise"], rows),
+                      "budget code", "predicted / measured step", "bitwise"], rows), "",
+            "predicted / measured step: `Budget.predicted_step_time` (the blocks: compute, the library's own "
+            "cost per op, recompute) against the budget's step less the code outside the layers "
+            f"({res['outside_s'] * 1e3:.1f} ms: plain with every layer passing its input through), each the "
+            "least CPU time of 7 steps.",
         ]
         if res.get("inductor"):
             lines += [

@@ -14,6 +14,7 @@ from typing import Any
 
 from ._adapters import fsdp as _fsdp
 from ._adapters.steady import run as _steady
+from ._api import calibrate as _calibrate
 from ._api import scope as _scope
 from ._api.checkpoint import checkpoint
 from ._api.helpers import apply_recompute, recompute_sequential, remove_recompute
@@ -24,6 +25,7 @@ from ._base.options import disabled
 from ._base.stats import ScopeStats
 from ._base.version import __version__ as __version__
 from ._budget import offload as _offload
+from ._budget import rates as _rates
 from ._budget.budget import Budget
 from ._record import recorder as _recorder
 from ._record import registry as _registry
@@ -59,6 +61,9 @@ _SEAMS = (
     # A function-form scope whose function dynamo captures runs without the recorder once
     # its graph was recorded (imports no torch._dynamo until a function is captured).
     _scope.set_steady_runner(_steady.run),
+    # A budget's predicted times count what autograd and the library cost per op, measured
+    # once per device by running scopes (``_api.calibrate``).
+    _rates.set_calibration(_calibrate.library_costs),
 )
 
 __all__ = [

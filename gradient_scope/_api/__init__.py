@@ -6,4 +6,6 @@
 - ``selection`` -- which modules ``apply_recompute`` scopes (``check_fn``, ``every_n_layers``).
 - ``checkpoint`` -- a drop-in for ``torch.utils.checkpoint.checkpoint``.
 - ``model_stats`` -- the counters of the scopes a model's helpers ran.
+- ``calibrate`` -- what autograd and the library cost per op, for a budget's predicted
+  times (registered with ``_budget.rates``).
 """

@@ -277,8 +277,10 @@ class Budget:
 
     @property
     def predicted_step_time(self) -> float | None:
-        """Predicted seconds of a step's blocks: their forward and backward, the
-        recompute and the copies compute does not hide; None before a plan."""
+        """Predicted seconds of a step's blocks: their forward and backward (kernels and
+        autograd's cost per op), what the library adds (recording each op, packing each
+        saved tensor, replay's bookkeeping), the recompute and the copies compute does not
+        hide -- not the code outside the scopes; None before a plan."""
         r = self._result()
         return None if r is None else r.step
 
@@ -356,7 +358,22 @@ class Budget:
         return self
 
     def summary(self) -> str:
-        """The plan in a few lines, with units."""
+        """The plan in a few lines, with units, and what the predicted step counts.
+
+        Example::
+
+            >>> import torch, torch.nn as nn
+            >>> from gradient_scope import Budget, apply_recompute
+            >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)))
+            >>> budget = Budget("40KiB")
+            >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
+            >>> print(budget.plan(lambda: model(torch.randn(64, 32)).sum().backward()).summary())  # doctest: +ELLIPSIS
+            Budget('40.00 KiB'):
+              floor (nothing can move it)  ...
+              predicted step of the blocks ...
+              the step counts the blocks' forward and backward (kernels and autograd per op,
+            ...
+        """
         r = self._result()
         if r is None:
             return f"{self!r}: no step measured yet"
@@ -367,9 +384,18 @@ class Budget:
             ("predicted backward peak", fmt_bytes(r.peak)),
             ("predicted recompute per step", fmt_seconds(r.recompute)),
             ("predicted copy wait per step", fmt_seconds(r.transfer)),
+            ("predicted library cost per step", fmt_seconds(r.library)),
             ("predicted step of the blocks", fmt_seconds(r.step)),
         ]
-        return "\n".join([f"{self!r}:", *(f"  {k:<32}{v:>12}" for k, v in rows)])
+        lines = [f"{self!r}:", *(f"  {k:<32}{v:>12}" for k, v in rows)]
+        if r.blocks:  # an eager plan (a compiled one counts its recompute only)
+            lines += [
+                "  the step counts the blocks' forward and backward (kernels and autograd per op,",
+                f"  {fmt_seconds(r.compute)}), the library's own cost (recording {r.ops} ops, packing {r.saves} saved",
+                f"  tensors, replaying {r.replayed} ops), recompute and copy wait, at this device's measured",
+                "  rates; not the code outside the scopes",
+            ]
+        return "\n".join(lines)
 
     def release_host_memory(self) -> None:
         """Give back the pinned host memory no offloaded tensor uses now (the pool keeps

@@ -10,8 +10,9 @@ Cost model (seconds): each op has its work -- the FLOPs of a formula registered 
 ``torch.utils.flop_counter`` (matmuls, convolutions, attention kernels; 0 for the rest)
 and the bytes it reads and writes (0 for a view) -- and its replay takes the slower of
 FLOPs and bytes at the device's measured rates, plus one op's overhead
-(``_budget.rates.seconds``). A matmul does hundreds of FLOPs per byte it moves, so at a
-device's rates its output spares more time per byte than an elementwise op's.
+(``_budget.rates.seconds``) and replay's bookkeeping (``Rates.replay``). A matmul does
+hundreds of FLOPs per byte it moves, so at a device's rates its output spares more time
+per byte than an elementwise op's.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ def _param_bytes(record: BlockRecord) -> int:
 
 
 def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
-    """Each op's replay time in seconds at ``rates``."""
-    return tuple(seconds(f, b, rates) for f, b in zip(m.flops, m.moved))
+    """Each op's replay time in seconds at ``rates``: its kernel and replay's bookkeeping."""
+    return tuple(seconds(f, b, rates) + rates.replay for f, b in zip(m.flops, m.moved))
 
 
 def _nbytes(a: Any) -> int:

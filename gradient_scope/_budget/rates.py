@@ -1,24 +1,32 @@
 """How fast a device runs what a budget trades: matmul FLOPs, bytes moved, one op's
-launch, copies to and from host memory. Measured once per device and process, then
-cached; the budget's cost model turns FLOPs and bytes into seconds with them.
+launch, copies to and from host memory, and what autograd and the library itself cost
+per op (an op's forward and backward beyond its kernels, recording it, packing a saved
+tensor, replaying an op). Measured once per device and process, then cached; the
+budget's cost model turns FLOPs, bytes and op counts into seconds with them.
 
-The measurement runs a few small kernels (tenths of a second on a CPU) under
+The device measurement runs a few small kernels (tenths of a second on a CPU) under
 ``torch.no_grad`` with torch function and dispatch modes out of the way, draws no
 random numbers and leaves no tensor behind: the program it runs inside sees nothing.
+The per-op costs come from a calibration the public layer registers
+(:func:`set_calibration`: chains of tiny ops run plain, in a scope and under budgets,
+``_api.calibrate``); it runs in a thread of its own, so the caller's open blocks,
+modes and hooks (thread-local) neither see it nor change it. Without a registered
+calibration those costs are 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .._base.torch_compat import profiler_range, without_python_dispatch, without_torch_function
 
-__all__ = ["Rates", "rates_for", "pinned_rates", "seconds"]
+__all__ = ["Rates", "rates_for", "pinned_rates", "seconds", "set_calibration", "LIBRARY_COSTS", "timed"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,15 @@ class Rates:
         overhead: seconds per op beyond its kernel (launch, dispatch).
         to_host: bytes/s of a copy from the device to pinned host memory.
         to_device: bytes/s of a copy from pinned host memory to the device.
+        train: seconds per op that autograd adds to a training step beyond the op's
+            forward and backward kernels (its node, the backward call, gradient
+            accumulation): plain PyTorch's own per-op cost.
+        record: seconds per op a scope adds to the forward: recording the op.
+        save: seconds per tensor a block saves: the pack hook, the budget's decision,
+            and the handle or the stored tensor.
+        replay: seconds per replayed op beyond its kernel: replay's bookkeeping.
+
+    The last four default to 0 (a plan then counts the kernels only).
 
     Example::
 
@@ -44,6 +61,10 @@ class Rates:
     overhead: float
     to_host: float
     to_device: float
+    train: float = 0.0
+    record: float = 0.0
+    save: float = 0.0
+    replay: float = 0.0
 
 
 def seconds(flops: float, nbytes: float, rates: Rates) -> float:
@@ -52,7 +73,24 @@ def seconds(flops: float, nbytes: float, rates: Rates) -> float:
     return max(flops / rates.flops, nbytes / rates.memory) + rates.overhead
 
 
+#: The per-op cost fields of :class:`Rates` the calibration measures, in its order.
+LIBRARY_COSTS = ("train", "record", "save", "replay")
+
 _CACHE: dict[tuple[str, int | None], Rates] = {}
+_calibration: list[Callable[[torch.device], dict[str, float]]] = []
+
+
+def set_calibration(fn: Callable[[torch.device], dict[str, float]]) -> Callable[[], None]:
+    """Register ``fn(device) -> {field: seconds}``, the per-op costs of
+    :data:`LIBRARY_COSTS` measured on ``device`` (the public layer's, which runs scopes).
+    Returns a function that removes it."""
+    _calibration[:] = [fn]
+
+    def remove() -> None:
+        if _calibration == [fn]:
+            _calibration.clear()
+
+    return remove
 
 
 def _key(device: torch.device) -> tuple[str, int | None]:
@@ -69,8 +107,37 @@ def rates_for(device: torch.device | str) -> Rates:
     key = _key(device)
     rates = _CACHE.get(key)
     if rates is None:
+        # Cached before the calibration, whose budgets plan at these rates (no recursion).
         rates = _CACHE[key] = _measure(device)
+        if _calibration:
+            try:
+                costs = _in_own_thread(lambda: _calibration[0](device))
+            except BaseException:
+                _CACHE.pop(key, None)  # the next call measures again
+                raise
+            rates = _CACHE[key] = replace(rates, **{k: max(float(costs[k]), 0.0) for k in LIBRARY_COSTS})
     return rates
+
+
+def _in_own_thread(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """``fn()`` run in a new thread, its result or its exception: the library's state,
+    grad mode, dispatch modes and saved-tensor hooks are per thread, so a calibration
+    started inside a block (a plan is made when a block closes) runs outside it."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            box.append(e)
+
+    worker = threading.Thread(target=run, name="gradient_scope: calibrate", daemon=True)
+    worker.start()
+    worker.join()
+    out = box[0]
+    if isinstance(out, BaseException):
+        raise out
+    return out  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -89,17 +156,21 @@ def pinned_rates(device: torch.device | str, rates: Rates) -> Iterator[Rates]:
             _CACHE[key] = before
 
 
-def _timed(fn: Callable[[], object], sync: Callable[[], None], reps: int) -> float:
-    """Seconds per call of ``fn``: the fastest of three rounds of ``reps`` calls."""
+def timed(fn: Callable[[], object], sync: Callable[[], None], reps: int, cpu: bool = False) -> float:
+    """Seconds per call of ``fn``: the fastest of three rounds of ``reps`` calls. ``cpu``
+    (a CPU device): a round takes the lesser of its wall time and the process's CPU time,
+    so a busy machine that preempts the process does not count (and threads that run
+    in parallel count once)."""
     fn()
     sync()
     best = float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
+        best = min(best, (min(wall, used) if cpu else wall) / reps)
     return max(best, 1e-9)
 
 
@@ -115,16 +186,16 @@ def _measure(device: torch.device) -> Rates:
     dtype = torch.bfloat16 if cuda else torch.float32
     with torch.no_grad(), without_torch_function(), without_python_dispatch(), profiler_range("gradient_scope.rates"):
         a = torch.ones(n, n, dtype=dtype, device=device)
-        flops = 2 * n**3 / _timed(lambda: torch.mm(a, a), sync, reps)
+        flops = 2 * n**3 / timed(lambda: torch.mm(a, a), sync, reps, not cuda)
         src = torch.ones(size // 4, device=device)
         dst = torch.empty_like(src)
-        memory = 2 * size / _timed(lambda: dst.copy_(src), sync, reps)
+        memory = 2 * size / timed(lambda: dst.copy_(src), sync, reps, not cuda)
         tiny = torch.ones(8, device=device)
-        overhead = _timed(lambda: tiny.add(1), sync, 200)
+        overhead = timed(lambda: tiny.add(1), sync, 200, not cuda)
         if cuda:
             host = torch.empty(size // 4, pin_memory=True)
-            to_host = size / _timed(lambda: host.copy_(src, non_blocking=True), sync, reps)
-            to_device = size / _timed(lambda: src.copy_(host, non_blocking=True), sync, reps)
+            to_host = size / timed(lambda: host.copy_(src, non_blocking=True), sync, reps, not cuda)
+            to_device = size / timed(lambda: src.copy_(host, non_blocking=True), sync, reps, not cuda)
         else:  # the host-copy stand-in copies within host memory
             to_host = to_device = memory / 2
     return Rates(flops=flops, memory=memory, overhead=overhead, to_host=to_host, to_device=to_device)

@@ -23,13 +23,16 @@ N4. [ a budget above plain autograd ] At a model-level budget of at least what p
     its record at its close (it will never replay): what only its record held is not
     held, and memory at such a budget is plain's.
 N5. [ predicted seconds and peak ] Predicted step seconds: the blocks' forward and
-    backward (three times their ops' seconds), the recompute, and the copies compute
-    does not hide. The predicted peak: at each block's backward (backward goes from the
-    last block to the first), the bytes kept for it and for the blocks before it, the
-    gradients of the parameters of it and of the code after it, its values rebuilt at
-    once by its replay, and the gradients flowing through it (twice its output); the
-    largest of these, plus the bytes prefetched ahead (twice the largest offloaded
-    storage).
+    backward (three times their ops' kernel seconds, plus autograd's own cost per op,
+    ``Rates.train``), what the library adds (recording each op, ``Rates.record``;
+    packing each saved tensor, ``Rates.save``), the recompute (each replayed op's kernel
+    and replay's bookkeeping, ``Rates.replay``), and the copies compute does not hide.
+    The code outside the scopes is not counted. The predicted peak: at each block's
+    backward (backward goes from the last block to the first), the bytes kept for it and
+    for the blocks before it, the gradients of the parameters of it and of the code
+    after it, its values rebuilt at once by its replay, and the gradients flowing
+    through it (twice its output); the largest of these, plus the bytes prefetched ahead
+    (twice the largest offloaded storage).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from dataclasses import dataclass, field, replace
 from .curve import CurvePoint, StoredOp, fmt_bytes, fmt_seconds
 from .hostpool import footprint
 from .measure import Measured
-from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide
-from .rates import Rates
+from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide, recompute_cost
+from .rates import Rates, seconds
 
 __all__ = ["BlockSeen", "SaveSeen", "StepPlan", "BlockChoice", "plan_step"]
 
@@ -103,6 +106,14 @@ class StepPlan:
     step: float
     peak: int
     below: bool
+    # N5 [ predicted seconds and peak ]'s parts of ``step``: the blocks' forward and backward
+    # without the library, and
+    # what the library adds (recording, saves, replay's bookkeeping; in ``recompute`` too)
+    compute: float = 0.0
+    library: float = 0.0
+    ops: int = 0  # the blocks' ops, recorded
+    saves: int = 0  # the tensors they save
+    replayed: int = 0  # ops replayed per step
     stored: list[StoredOp] = field(default_factory=list)
     curve: list[CurvePoint] = field(default_factory=list)
     seen: list[BlockSeen] = field(default_factory=list)  # what it was planned from
@@ -302,14 +313,19 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
     budget's pool can hold (its capacity, ``_budget.hostpool``; None: no offload)."""
     it = _collect(blocks, saves, exclude, host is not None)
     chain = build_chain([bs.graph for bs in blocks], it.cands)
-    forward = sum(sum(bs.graph.costs) for bs in blocks)
+    forward = sum(seconds(f, b, rates) for bs in blocks for f, b in zip(bs.measured.flops, bs.measured.moved))
+    ops = sum(len(bs.measured.flops) for bs in blocks)
+    nsaves = sum(len(bs.saved) for bs in blocks)
+    compute = 3 * forward + ops * rates.train
+    # N5 [ predicted seconds and peak ]: the step without recompute and copies
+    fixed = compute + ops * rates.record + nsaves * rates.save
     transfer = None if host is None else Transfer(rates.to_host, rates.to_device, forward, 2 * forward, host)
     views = set().union(*(bs.views for bs in blocks)) if blocks else set()
     plain = sum(it.real.values()) + sum(
         i.nbytes for i, p, (b, _) in zip(it.floor, it.floor_ptrs, it.floor_kind) if b == -1 or p in views
     )
     whole = model_level and budget >= plain
-    points = _curve(chain, it, budget, transfer, forward, plain if model_level else None)
+    points = _curve(chain, it, budget, transfer, fixed, plain if model_level else None)
     d, extra = _at(chain, it, budget, transfer)
     if whole:
         d, extra = Decision(len(chain.order), frozenset(), frozenset(), plain, 0, 0.0, 0.0, False), frozenset()
@@ -331,19 +347,36 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         d.host,
         d.recompute,
         d.transfer,
-        3 * forward + d.recompute + d.transfer,
+        fixed + d.recompute + d.transfer,
         _peak(blocks, choices, it, d, params or []),
         d.below,
     )
+    plan.replayed = _replayed(blocks, choices)
+    plan.compute, plan.ops, plan.saves = compute, ops, nsaves
+    plan.library = fixed - compute + plan.replayed * rates.replay
     plan.stored = _stored(blocks, choices, saves, it, d, chain)
     plan.seen = blocks
     plan.curve = points
     return plan
 
 
-def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, forward: float,
+def _replayed(blocks: list[BlockSeen], choices: list[BlockChoice]) -> int:
+    """The ops the plan replays per step (K1 [ the recompute cost of a block ] with a cost of 1 per op)."""
+    out = 0
+    for bs, ch in zip(blocks, choices):
+        if ch.whole:
+            continue
+        g = bs.graph
+        index = {place: v for v, place in enumerate(bs.measured.places)}
+        stored = {index[p] for p in ch.chosen | ch.offloaded if p in index}
+        out += int(recompute_cost(replace(g, costs=(1.0,) * len(g.costs)), stored))
+    return out
+
+
+def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, fixed: float,
            plain: int | None) -> list[CurvePoint]:  # fmt: skip
-    """The plan at the budgets where it changes (at most about 64 of them)."""
+    """The plan at the budgets where it changes (at most about 64 of them); ``fixed``:
+    N5 [ predicted seconds and peak ]'s seconds other than recompute and copies."""
     total = sum(i.nbytes for i in it.floor)
     low = sum(i.nbytes for i in it.floor if not i.offloadable) if transfer is not None else total
     marks = {total + n for n in chain.nbytes}
@@ -356,12 +389,12 @@ def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, for
     points: list[CurvePoint] = []
     for b in sorted(set(budgets)):
         if plain is not None and b >= plain:
-            p = CurvePoint(b, plain, 0, 0.0, 0.0, 3 * forward)
+            p = CurvePoint(b, plain, 0, 0.0, 0.0, fixed)
         else:
             d = _at(chain, it, b, transfer)[0]
             if d.below:
                 continue
-            p = CurvePoint(b, d.device, d.host, d.recompute, d.transfer, 3 * forward + d.recompute + d.transfer)
+            p = CurvePoint(b, d.device, d.host, d.recompute, d.transfer, fixed + d.recompute + d.transfer)
         if not points or p.step < points[-1].step:
             points.append(p)
     return points

@@ -263,6 +263,7 @@ SEAMS = (
     "add_close_listener",
     "set_traced_block",
     "set_steady_runner",
+    "set_calibration",
 )
 
 
