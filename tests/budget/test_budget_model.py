@@ -336,7 +336,10 @@ def test_the_report_under_a_budget_adds_up_to_what_forward_leaves(plain, offload
             (out, report), held, _ = measure(forward, lambda o: o[0].square().sum().backward())
             held -= out.untyped_storage().nbytes()
             assert report.activation_bytes + report.held_by_scopes_bytes == held == b.planned_bytes
-            assert report.offloaded_bytes == (b.offloaded_bytes or 0)
+            # The report counts the device bytes moved; the budget the host bytes they
+            # take in the pool, each rounded up to 512 (``_budget.hostpool`` H2).
+            moved = sum(1 for s in b.stored_ops() if s.how == "offloaded")
+            assert report.offloaded_bytes <= (b.offloaded_bytes or 0) <= report.offloaded_bytes + 511 * moved
             if offload and b.offloaded_bytes:
                 assert "offloaded to host memory" in report.table()
             kept = sum(s.nbytes for s in b.stored_ops() if s.how == "kept")
