@@ -286,7 +286,9 @@ def _give_up(fn: Callable[..., Any], why: object) -> None:
     func = getattr(fn, "__func__", fn)
     if func not in _failed:
         _failed.add(func)
-        _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, why)
+        # the reason as text: an exception would keep its frames (and their tensors) alive
+        reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+        _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, reason)
 
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
