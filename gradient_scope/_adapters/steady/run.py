@@ -232,7 +232,7 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     fn = req.fn
     prior = getattr(_tls, "request", None)
     _tls.request = req
-    error: BaseException | None = None
+    failure: str | None = None
     eager = False
     graph: _Graph | None = None
     try:
@@ -247,7 +247,9 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
             raise
         # nothing ran (D2 [ what dynamo cannot capture is recorded ]): the function runs
         # recorded (and raises its own error)
-        error = e if is_dynamo_error(e) else None
+        # (as text: the exception's traceback holds this frame, whose locals hold the block's
+        # arguments, a reference cycle)
+        failure = _failure(e)
         req.why = "dynamo could not capture"
     finally:
         _tls.request = prior
@@ -256,8 +258,8 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         return _run_eager(req, args, kwargs, graph)
     if req.why == "dynamo could not capture":
         out = fn(*args, **kwargs)
-        if error is not None:  # a user's exception raised again above is no failure to capture
-            _failed_once(fn, error)
+        if failure is not None:  # a user's exception raised again above is no failure to capture
+            _failed_once(fn, failure)
         return out
     # D2 [ what dynamo cannot capture is recorded ]: dynamo ran it without our graph (no op, or
     # a skipped frame)
@@ -273,22 +275,28 @@ _failures: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _RETRIES = 2
 
 
-def _failed_once(fn: Callable[..., Any], e: BaseException) -> None:
-    if is_recompile_limit(e):
-        return  # the graphs dynamo has keep running; this call is recorded (quietly: Q2)
+def _failure(e: BaseException) -> str | None:
+    """What counts of dynamo's exception ``e`` towards giving up, as text: None for the
+    recompile limit (the graphs dynamo has keep running; this call is recorded, quietly: Q2)
+    and for any exception not dynamo's."""
+    if is_recompile_limit(e) or not is_dynamo_error(e):
+        return None
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _failed_once(fn: Callable[..., Any], e: str) -> None:
     func = getattr(fn, "__func__", fn)
     n = _failures[func] = _failures.get(func, 0) + 1
     if n >= _RETRIES:
         _give_up(fn, e)
 
 
-def _give_up(fn: Callable[..., Any], why: object) -> None:
+def _give_up(fn: Callable[..., Any], why: str) -> None:
     func = getattr(fn, "__func__", fn)
     if func not in _failed:
         _failed.add(func)
-        # the reason as text: an exception would keep its frames (and their tensors) alive
-        reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
-        _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, reason)
+        _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, why)
 
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
