@@ -53,7 +53,7 @@ def _counts(stats):
     keep = ("ops_recorded", "ops_saved", "tensors_packed", "bytes_packed", "replays", "ops_replayed")
 
     def of(s):
-        return tuple(getattr(s, k) for k in keep) + (s.calls_steady + s.calls_recorded,)
+        return (*(getattr(s, k) for k in keep), s.calls_steady + s.calls_recorded)
 
     return of(stats), {k: of(v) for k, v in stats.modules.items()}
 
