@@ -6,6 +6,8 @@
 - ``fsdp`` -- FSDP2: gathers the parameters a replay reads when FSDP2 has freed them.
 - ``steady`` -- a function-form scope's steady state: dynamo proves the same graph
   runs, and its block is bound from the record of its first run instead of recorded.
+- ``dynamo`` -- dynamo as the steady state calls it: one entry for every function (nothing
+  kept per function), quiet captures, guards on module hooks (RULES Q1..Q3).
 
 Private torch APIs beyond ``_base.torch_compat`` are allowed only here.
 """

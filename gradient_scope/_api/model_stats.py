@@ -102,7 +102,14 @@ class ModelStats(ScopeStats):
 
 def _add(into: ScopeStats, stats: ScopeStats, sign: int = 1) -> None:
     for name in _COUNTERS:
-        setattr(into, name, getattr(into, name) + sign * getattr(stats, name))
+        if name == "recorded_why":
+            why = into.recorded_why
+            for k, n in stats.recorded_why.items():
+                why[k] = why.get(k, 0) + sign * n
+                if not why[k]:
+                    del why[k]
+        else:
+            setattr(into, name, getattr(into, name) + sign * getattr(stats, name))
 
 
 def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:

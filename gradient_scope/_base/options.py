@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from .stats import ScopeStats
 
-__all__ = ["disabled", "scopes_disabled", "ENV_VAR", "ScopeOptions"]
+__all__ = ["disabled", "scopes_disabled", "switch", "ENV_VAR", "FAST_VAR", "ScopeOptions"]
 
 #: The environment variable that turns every scope off (``1``, ``true``, ``yes``, ``on``).
 ENV_VAR = "GRADIENT_SCOPE_DISABLE"
@@ -103,16 +103,38 @@ def scopes_disabled() -> bool:
     """Whether a scope entered now records nothing (:func:`disabled` or the environment)."""
     if _depth:
         return True
-    value = os.environ.get(ENV_VAR)
+    return switch(ENV_VAR, "turn every recompute_scope off") is True
+
+
+#: The environment variable that chooses the steady state of function-form scopes: on,
+#: off, or unset (on where an argument is a CUDA tensor).
+FAST_VAR = "GRADIENT_SCOPE_FAST"
+
+
+def switch(name: str, what: str) -> bool | None:
+    """The value of the on/off environment variable ``name`` (whose ``1`` does ``what``):
+    True for ``1``/``true``/``yes``/``on``, False for ``0``/``false``/``no``/``off`` (any case,
+    spaces stripped), None when unset or empty; a ValueError for any other word.
+
+    Example::
+
+        >>> import os
+        >>> from gradient_scope._base.options import switch
+        >>> os.environ["GS_EXAMPLE_SWITCH"] = " On "
+        >>> switch("GS_EXAMPLE_SWITCH", "do it")
+        True
+        >>> del os.environ["GS_EXAMPLE_SWITCH"]
+    """
+    value = os.environ.get(name)
     if value is None:
-        return False
+        return None
     v = value.strip().lower()
     if v in _ON:
         return True
     if v in _OFF:
-        return False
+        return None if v == "" else False
     raise ValueError(
-        f"gradient_scope: the environment variable {ENV_VAR}={value!r} is neither on "
+        f"gradient_scope: the environment variable {name}={value!r} is neither on "
         f"({', '.join(sorted(_ON))}) nor off ({', '.join(repr(x) for x in sorted(_OFF))}). "
-        f"Set {ENV_VAR}=1 to turn every recompute_scope off, or unset it."
+        f"Set {name}=1 to {what}, {name}=0 for the opposite, or unset it."
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["ScopeStats", "compiled_sink", "sink_by_key"]
 
@@ -21,6 +21,13 @@ class ScopeStats:
     ``tensors_packed``/``bytes_packed``: the block tensors the compiled backward
     recomputes instead of saving), and ``replays``, ``ops_replayed`` and ``ops_saved``
     stay 0.
+
+    ``calls_steady`` and ``calls_recorded`` count the calls of a function-form scope
+    (``apply_recompute``, ``@recompute``, ``checkpoint``) by the way they ran: bound from a
+    template (the steady state, the default on CUDA) or recorded; ``recorded_why`` says why
+    each recorded call was (``"off"``: ``GRADIENT_SCOPE_FAST`` is off or, unset, no argument
+    is a CUDA tensor; ``"first call"``, ``"first run of a graph"``: what a steady state
+    costs first; ``"module hook"``, ``"given up"``, ...: docs/limitations.md).
 
     Example::
 
@@ -41,6 +48,18 @@ class ScopeStats:
     bytes_packed: int = 0  #: bytes autograd did not keep because of those handles
     replays: int = 0  #: recomputation passes run
     ops_replayed: int = 0  #: operations executed by those passes
+    calls_steady: int = 0  #: function-form calls bound from a template (the steady state)
+    calls_recorded: int = 0  #: function-form calls recorded
+    #: why the recorded calls were, reason -> calls
+    recorded_why: dict[str, int] = field(default_factory=dict)
+
+    def count_call(self, why: str | None) -> None:
+        """Count a function-form call: steady (``why`` None) or recorded for ``why``."""
+        if why is None:
+            self.calls_steady += 1
+        else:
+            self.calls_recorded += 1
+            self.recorded_why[why] = self.recorded_why.get(why, 0) + 1
 
 
 # key -> the ScopeStats that compiled scopes of one model helper's module count into (the

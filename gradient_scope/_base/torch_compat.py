@@ -48,6 +48,7 @@ __all__ = [
     "saved_hooks_enabled",
     "saved_hooks_disabled_message",
     "current_graph_task",
+    "module_hooks_reached",
     "queue_engine_callback",
     "sequence_nr",
     "below_autograd",
@@ -368,6 +369,55 @@ def global_module_hooks_active() -> bool:
         or m._global_backward_pre_hooks
         or m._global_backward_hooks
     )
+
+
+_Module = torch.nn.Module
+_CALLS = (_Module.__call__, _Module._call_impl, _Module._wrapped_call_impl)
+
+
+def _hooked(m: torch.nn.Module, itself: bool) -> bool:
+    for sub in m.modules():
+        if (itself or sub is not m) and (
+            sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
+        ):
+            return True
+    return False
+
+
+def module_hooks_reached(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a module ``fn`` reaches directly has a hook (forward, forward pre-, backward or
+    backward pre-), on itself or a submodule: a bound method's module (its own hooks only
+    when the method is the module's ``__call__``: they run around ``forward``, outside it),
+    modules in ``fn``'s closure, defaults and globals it names, and among its arguments
+    (also one level into lists, tuples and dicts)."""
+    func = getattr(fn, "__func__", None)
+    if func is not None:
+        owner = getattr(fn, "__self__", None)
+        if isinstance(owner, _Module) and _hooked(owner, func in _CALLS):
+            return True
+        fn = func
+    found: list[Any] = [*args, *kwargs.values()]
+    cells = getattr(fn, "__closure__", None)
+    if cells:
+        for c in cells:
+            with contextlib.suppress(ValueError):  # an empty cell
+                found.append(c.cell_contents)
+    found.extend(getattr(fn, "__defaults__", None) or ())
+    found.extend((getattr(fn, "__kwdefaults__", None) or {}).values())
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
+    if code is not None and names is not None:
+        found.extend(names[n] for n in code.co_names if n in names)
+    for v in found:
+        if isinstance(v, (list, tuple)):
+            inner: Any = v
+        elif isinstance(v, dict):
+            inner = v.values()
+        else:
+            inner = (v,)
+        for m in inner:
+            if isinstance(m, _Module) and _hooked(m, True):
+                return True
+    return False
 
 
 #: A guard under which no TorchFunctionMode sees the calls made.

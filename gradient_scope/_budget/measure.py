@@ -46,6 +46,16 @@ def value_index(record: BlockRecord) -> dict[Var, int]:
     return {v: n for n, v in enumerate(record.vars())}
 
 
+def _number(index: dict[Var, int], record: BlockRecord, var: Var) -> int:
+    """``var``'s number in ``index``; a template Var that a steady run's own Var replaced in
+    its op's outputs (``BlockRecord.renamed``, D4 [ a steady run's record is bound ]) has that
+    Var's: later ops of a bound record still name the template's."""
+    n = index.get(var)
+    if n is None:
+        n = index[record.ops[var.op].outs[record.renamed[id(var)]]]  # type: ignore[index]
+    return n
+
+
 class Measured:
     """What :func:`measure` reads from a closed record (plain data)."""
 
@@ -88,7 +98,7 @@ def measure(record: BlockRecord) -> Measured:
         m.moved.append(moved)
         if device is None:
             device = next((v.device for v in rec.outs if v is not None), None)
-        m.reads.append(tuple(index[r] for r in op_refs(rec) if type(r) is Var))
+        m.reads.append(tuple(_number(index, record, r) for r in op_refs(rec) if type(r) is Var))
         m.names.append(str(rec.func))
         for k, v in enumerate(rec.outs):
             if v is not None:

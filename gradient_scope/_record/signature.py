@@ -24,7 +24,7 @@ from typing import Any
 
 from .types import BlockRecord, Input, MetaArg, Ref, Var
 
-__all__ = ["Fill", "Slots", "fill", "signature", "output_matches"]
+__all__ = ["Fill", "Slots", "fill", "signature", "constants", "output_matches"]
 
 #: How an argument of a recorded op is filled in at replay: ``(position or name, how)``
 #: where ``how`` is a slot number, None (a MetaArg: a fresh empty tensor like it), or a
@@ -124,6 +124,31 @@ def _signature(record: BlockRecord) -> tuple[Hashable, Slots]:
         if r.writes and (type(r) is Input or r.base is None):  # type: ignore[union-attr]
             key.append((s, tuple(j for j, _ in r.writes)))
     return tuple(key), Slots(refs, of)
+
+
+def constants(record: BlockRecord) -> tuple[Hashable, ...]:
+    """The Python numbers among the arguments of ``record``'s ops (also inside list
+    arguments), op by op: what the signature leaves out, since a replay reads each record's
+    own. Floats by their exact bits (``float.hex``: -0.0 and NaN are told apart and compare
+    equal to themselves)."""
+    out: list[Hashable] = []
+    add = out.append
+    for _, args, kwargs, _, _ in record.ops:
+        for a in (*args, *kwargs.values()):
+            t = type(a)
+            if t is list or t is tuple:
+                for x in a:
+                    tx = type(x)
+                    if tx is float:
+                        add(x.hex())
+                    elif tx is int or tx is bool or tx is complex:
+                        add(x)
+            elif t is float:
+                add(a.hex())
+            elif t is int or t is bool or t is complex:
+                add(a)
+        add(...)
+    return tuple(out)
 
 
 def output_matches(entry: Any, func: Any, n_outs: int, k: int, size: Any, dtype: Any) -> bool:

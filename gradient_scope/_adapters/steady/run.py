@@ -21,10 +21,14 @@ D1. [ which calls run steady ] Only a function-form scope, entered outside any o
     block and outside backward, with grad mode on, ``debug=False``, a ``save=`` that is
     not a context policy (it reads the running module and region of each op call, which
     a captured graph does not have), and no TorchDispatchMode, TorchFunctionMode or
-    global module hook active, and only while ``GRADIENT_SCOPE_FAST`` allows it: ``1``
-    always, ``0`` never, unset when an argument of the function is a CUDA tensor (where
-    host time is the bottleneck; on CPU the first call's compile costs more than it
-    saves).
+    global module hook active, no hook on a module the function reaches (its module's
+    submodules, modules in its closure, globals and arguments: ``module_hooks_reached``; the
+    modules dynamo traced are guarded too: Q3 [ hooks are guarded ]), and only while
+    ``GRADIENT_SCOPE_FAST`` allows it: on (``1``, ``true``, ``yes``, ``on``) always, off
+    (``0``, ``false``, ``no``, ``off``) never, another word a ValueError (the words of
+    ``GRADIENT_SCOPE_DISABLE``), unset when an argument of the function is a CUDA tensor
+    (where host time is the bottleneck; on CPU the first call's compile costs more than it
+    saves). A call recorded here is recorded alone: the function keeps its steady state.
 D2. [ what dynamo cannot capture is recorded ] A call that dynamo cannot capture whole
     runs recorded, as any block: nothing of it ran before dynamo gave up. A function
     that failed twice (a graph break), that dynamo runs without our graph, or whose
@@ -68,7 +72,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import threading
 import weakref
 from collections import deque
@@ -79,7 +82,7 @@ from typing import Any
 import torch
 
 from ..._base.feedback import warn_user
-from ..._base.options import ScopeOptions
+from ..._base.options import FAST_VAR, ScopeOptions, switch
 from ..._base.rng import default_generators
 from ..._base.torch_compat import (
     any_mode_active,
@@ -88,14 +91,16 @@ from ..._base.torch_compat import (
     is_dynamo_error,
     is_higher_order_op,
     is_recompile_limit,
+    module_hooks_reached,
 )
 from ..._record import recorder as _recorder
 from ..._record.bind import Binding
-from ..._record.signature import signature
+from ..._record.signature import constants, signature
 from ..._record.template import Log, Template, build
-from ..._record.types import Input
+from ..._record.types import BlockRecord, Input
 from ..._save.pack import sequencing
 from ..._save.sequencer import Logger, Sequencer
+from ..dynamo import entry, guard_hooks, hooks_guarded, hush, hushed
 from .capture import NodeValues, locate, take, with_extra_outputs
 
 __all__ = ["run"]
@@ -105,7 +110,6 @@ _log = logging.getLogger("gradient_scope")
 _tls = threading.local()
 # D2 [ what dynamo cannot capture is recorded ]: functions recorded from now on
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
-_compiled: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _RETIRED = object()  # a template that diverged (D3 [ saves checked against the template ])
 #: D6 [ the graph must run the eager ops ]: per function's code, per scope options
 #: (``_Request.key``), the structures of its eager runs (by code: a function made anew per call,
@@ -142,7 +146,7 @@ def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], gra
     out = req.fn(*args, **kwargs)
     block = req.block
     block.settle()
-    key = signature(block.record)[0]
+    key = _structure(block.record)
     keys = _eager_keys(req.fn, req.key)
     if key not in keys:
         keys.append(key)
@@ -151,44 +155,38 @@ def _run_eager(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], gra
     return out
 
 
-def _wanted(opts: ScopeOptions, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """D1 [ which calls run steady ], before the scope is entered."""
-    setting = os.environ.get("GRADIENT_SCOPE_FAST", "")
-    if setting == "0" or opts.debug or opts.contextual:
-        return False
-    if setting != "1" and not any(type(a) is Tensor and a.is_cuda for a in (*args, *kwargs.values())):
-        return False
-    return (
-        torch.is_grad_enabled()
-        and not torch.is_inference_mode_enabled()
-        and not any_mode_active()
-        and current_graph_task() == -1
-        and not global_module_hooks_active()
-    )
+def _structure(record: BlockRecord) -> Hashable:
+    """D6 [ the graph must run the eager ops ]: what a run computed (its signature and the
+    Python numbers its ops took)."""
+    return signature(record)[0], constants(record)
 
 
-def _target(fn: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]] | None:
-    """What dynamo compiles for ``fn`` (a function, or a bound method's function with
-    its ``self``), or None."""
-    head: tuple[Any, ...] = ()
-    if inspect.ismethod(fn):
-        func, head = fn.__func__, (fn.__self__,)
-    elif inspect.isfunction(fn):
-        func = fn
-    else:
-        return None
-    if func in _failed or inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
-        return None
-    compiled = _compiled.get(func)
-    if compiled is None:
-        compiled = _compiled[func] = torch.compile(func, backend=_backend, fullgraph=True, dynamic=False)
-    return compiled, head
+def _unwanted(opts: ScopeOptions, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """D1 [ which calls run steady ], before the scope is entered: why the call is recorded,
+    or None."""
+    setting = switch(FAST_VAR, "run function-form scopes in their steady state on every device")
+    if setting is False:
+        return "off"
+    if opts.debug or opts.contextual:
+        return "debug" if opts.debug else "context policy"
+    if setting is None and not any(type(a) is Tensor and a.is_cuda for a in (*args, *kwargs.values())):
+        return "off"
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or current_graph_task() != -1:
+        return "no grad or in backward"
+    if any_mode_active():
+        return "dispatch or function mode"
+    if global_module_hooks_active() or module_hooks_reached(fn, args, kwargs):
+        return "module hook"
+    func = getattr(fn, "__func__", fn)
+    if not inspect.isfunction(func) or inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
+        return "not a function"
+    return "given up" if func in _failed else None
 
 
 class _Request:
     """One steady call of a scope (thread-local while the compiled function runs)."""
 
-    __slots__ = ("key", "block", "entered", "save", "fn")
+    __slots__ = ("key", "block", "entered", "save", "fn", "why")
 
     def __init__(self, opts: ScopeOptions, block: Any, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -197,6 +195,7 @@ class _Request:
         self.key = (id(save), opts.preserve_rng_state)
         self.block = block
         self.entered = False
+        self.why: str | None = "dynamo ran it without our graph"  # counted (ScopeStats.recorded_why)
 
 
 def run(
@@ -207,49 +206,66 @@ def run(
     kwargs: dict[str, Any],
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` in ``scope`` (a scope with options ``opts``), in its
-    steady state where D1 [ which calls run steady ] allows."""
-    target = _target(fn) if _wanted(opts, args, kwargs) else None
-    if target is None:
+    steady state where D1 [ which calls run steady ] allows; counted in ``opts.stats``
+    (steady, or recorded and why)."""
+    why = _unwanted(opts, fn, args, kwargs)
+    if why is not None:
+        opts.stats.count_call(why)
         with scope:
             return fn(*args, **kwargs)
-    compiled, head = target
     with scope:
         block = _recorder.innermost()
         if block is None or len(block.frames) != 1 or block.frame.stats is not opts.stats or block.record.ops:
-            return fn(*args, **kwargs)  # the scope records nothing (disabled) or is not alone
+            # the scope records nothing (disabled) or is not alone
+            opts.stats.count_call("disabled" if block is None else "nested")
+            return fn(*args, **kwargs)
         req = _Request(opts, block, fn)
         if not _eager_keys(fn, req.key):  # D6 [ the graph must run the eager ops ]: the first call runs eagerly
+            opts.stats.count_call("first call")
             return _run_eager(req, args, kwargs, None)
-        prior = getattr(_tls, "request", None)
-        _tls.request = req
-        raised = eager = False
-        graph: _Graph | None = None
-        try:
-            with _recorder.suspended():
-                out = compiled(*head, *args, **kwargs)
-        except _RunEager as e:
-            # D6 [ the graph must run the eager ops ]: nothing of the graph ran (e is not kept:
-            # its traceback holds this frame, whose locals hold the block's tensors)
-            eager, graph = True, e.graph
-        except Exception as e:
-            if req.entered:
-                raise
-            # nothing ran (D2 [ what dynamo cannot capture is recorded ]): the function runs
-            # recorded (and raises its own error)
-            raised = True
-            if is_dynamo_error(e):
-                _failed_once(fn, e)
-        finally:
-            _tls.request = prior
-        if eager:
-            return _run_eager(req, args, kwargs, graph)
-        if raised:
-            return fn(*args, **kwargs)
-        # D2 [ what dynamo cannot capture is recorded ]: dynamo ran it without our graph (no op, or
-        # a skipped frame)
-        if not req.entered:
-            _give_up(fn, "dynamo ran it without our graph")
+        return _captured(req, args, kwargs)
+
+
+def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call through dynamo (Q1 [ one entry, nothing kept per function ], quiet: Q2 [ our
+    captures are quiet ]), or recorded where it cannot run the graph."""
+    fn = req.fn
+    prior = getattr(_tls, "request", None)
+    _tls.request = req
+    failure: str | None = None
+    eager = False
+    graph: _Graph | None = None
+    try:
+        with _recorder.suspended(), hushed():
+            out = _entry(fn, *args, **kwargs)
+    except _RunEager as e:
+        # D6 [ the graph must run the eager ops ]: nothing of the graph ran (e is not kept:
+        # its traceback holds this frame, whose locals hold the block's tensors)
+        eager, graph = True, e.graph
+    except Exception as e:
+        if req.entered:
+            raise
+        # nothing ran (D2 [ what dynamo cannot capture is recorded ]): the function runs
+        # recorded (and raises its own error)
+        # (as text: the exception's traceback holds this frame, whose locals hold the block's
+        # arguments, a reference cycle)
+        failure = _failure(e)
+        req.why = "dynamo could not capture"
+    finally:
+        _tls.request = prior
+        req.block.frame.stats.count_call(req.why)
+    if eager:
+        return _run_eager(req, args, kwargs, graph)
+    if req.why == "dynamo could not capture":
+        out = fn(*args, **kwargs)
+        if failure is not None:  # a user's exception raised again above is no failure to capture
+            _failed_once(fn, failure)
         return out
+    # D2 [ what dynamo cannot capture is recorded ]: dynamo ran it without our graph (no op, or
+    # a skipped frame)
+    if not req.entered:
+        _give_up(fn, "dynamo ran it without our graph")
+    return out
 
 
 #: D2 [ what dynamo cannot capture is recorded ]: how often dynamo could not capture a function
@@ -259,23 +275,36 @@ _failures: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _RETRIES = 2
 
 
-def _failed_once(fn: Callable[..., Any], e: BaseException) -> None:
-    if is_recompile_limit(e):
-        return  # the graphs dynamo has keep running; this call is recorded
+def _failure(e: BaseException) -> str | None:
+    """What counts of dynamo's exception ``e`` towards giving up, as text: None for the
+    recompile limit (the graphs dynamo has keep running; this call is recorded, quietly: Q2)
+    and for any exception not dynamo's."""
+    if is_recompile_limit(e) or not is_dynamo_error(e):
+        return None
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _failed_once(fn: Callable[..., Any], e: str) -> None:
     func = getattr(fn, "__func__", fn)
     n = _failures[func] = _failures.get(func, 0) + 1
     if n >= _RETRIES:
         _give_up(fn, e)
 
 
-def _give_up(fn: Callable[..., Any], why: object) -> None:
+def _give_up(fn: Callable[..., Any], why: str) -> None:
     func = getattr(fn, "__func__", fn)
-    _failed.add(func)
-    _log.debug("gradient_scope: %s is recorded from now on (no steady state): %s", func, why)
+    if func not in _failed:
+        _failed.add(func)
+        _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, why)
 
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    guard_hooks()  # Q3 [ hooks are guarded ]: dynamo builds this graph's guards after we return
     return _Graph(gm)
+
+
+_entry = entry(_backend)
 
 
 class _Graph:
@@ -301,30 +330,44 @@ class _Graph:
         )
 
     def __call__(self, *args: Any) -> Any:
+        hooks_guarded()
         req: _Request | None = getattr(_tls, "request", None)
         if req is None or req.entered:
             with _recorder.reinstated():
                 return self.gm(*args)
+        quiet = hush(False)  # Q2 [ our captures are quiet ]: the graph's ops speak as usual
+        try:
+            return self._run(req, args)
+        finally:
+            hush(quiet)
+
+    def _run(self, req: _Request, args: tuple[Any, ...]) -> Any:
         # T4 [ no nested scope or higher-order op ]: recorded as usual, eagerly, now and
         # (D2 [ what dynamo cannot capture is recorded ]) from the next call on
         if self.nested:
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
+            req.why = "nested scope or higher-order op"
             raise _RunEager(None)
         pending = self.unverified.get(req.key)
         if pending is not None:  # D6 [ the graph must run the eager ops ]
             if pending not in _eager_keys(req.fn, req.key):
+                req.why = "graph checked against an eager run"
                 raise _RunEager(self)
             del self.unverified[req.key]
         req.entered = True
-        entry = self.templates.get(req.key)
-        tpl = entry[1] if entry is not None and entry[0] is req.save else None
+        found = self.templates.get(req.key)
+        tpl = found[1] if found is not None and found[0] is req.save else None
         if tpl is None:
+            req.why = "first run of a graph"
             return self._first(req, list(args))
         if tpl is _RETIRED or tpl.context != req.block.context:  # T5 [ one numeric context ]
+            req.why = "template retired" if tpl is _RETIRED else "numeric context"
             with _recorder.reinstated():
                 return self.gm(*args)
         if tpl.captured and tpl.capture is None:
+            req.why = "first run of a graph"
             return self._locate(req, tpl, list(args))
+        req.why = None
         return _steady(self, tpl, req, list(args))
 
     def _locate(self, req: _Request, tpl: Template, args: list[Any]) -> Any:
@@ -359,7 +402,7 @@ class _Graph:
         if tpl is not None:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
         self.templates[req.key] = (req.save, tpl if tpl is not None else _RETIRED)
-        key = tpl.key if tpl is not None else signature(block.record)[0]
+        key = _structure(block.record)
         # D6 [ the graph must run the eager ops ]: compared at the next call that reaches it
         if key not in _eager_keys(req.fn, req.key):
             self.unverified[req.key] = key

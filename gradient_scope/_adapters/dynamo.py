@@ -1,0 +1,147 @@
+"""Dynamo as the steady state calls it: one entry for every function, quiet, with hook guards.
+
+Q1. [ one entry, nothing kept per function ] Every function is captured through one compiled
+    trampoline (``entry``) whose own frame dynamo skips (``skip_code``): dynamo compiles the
+    frame of the function it calls, with its cache on that function's code, as
+    ``torch.compile(fn)`` would. Nothing here holds a function, its closure or its module: a
+    model whose forward checkpoints a lambda over ``self`` dies with its last reference.
+Q2. [ our captures are quiet ] While dynamo captures a function for the steady state (from the
+    call until our graph runs: ``hushed``), nothing it logs (the recompile limit, graph breaks)
+    and no warning it issues through ``warn_once`` (a ``functools.lru_cache`` in traced code)
+    reaches the user: the user's program, run eagerly when a capture fails, says what it says.
+    The records of ``torch`` loggers are dropped by a filter that lets everything through
+    outside such a capture, in every thread; ``torch._dynamo.utils.warn_once`` is replaced
+    only while a capture is under way in some thread. Dynamo's configuration is not touched
+    but for Q3's flag, for the time of one of our compiles.
+Q3. [ hooks are guarded ] Dynamo does not guard on a module's empty hook dicts
+    (``config.skip_nnmodule_hook_guards``): a hook added after a capture, or present on another
+    instance than the one captured, would be skipped. Our captures build their guards with the
+    flag off (set in our backend, put back when the compiled call returns or the graph first
+    runs): each call checks the hook dicts of the modules it traced, and a changed one
+    recaptures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["entry", "hushed", "hush", "guard_hooks", "hooks_guarded"]
+
+_local = threading.local()
+_lock = threading.Lock()
+_depth = 0  # captures under way, all threads (Q2 [ our captures are quiet ])
+_warn_once: list[Callable[..., None]] = []  # dynamo's own, while ours replaces it
+_filtered = 0  # how many loggers existed when the filter was last put on them
+
+
+def _quiet() -> bool:
+    return getattr(_local, "on", False)
+
+
+class _Filter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _quiet()
+
+
+_FILTER = _Filter()
+
+
+def _hushed_warn_once(msg: str, stacklevel: int = 1) -> None:
+    if not _quiet():
+        _warn_once[0](msg, stacklevel + 1)
+
+
+def _filter_loggers() -> None:
+    """Q2: the filter on every ``torch`` logger (once per logger: it stays, and passes every
+    record outside our captures)."""
+    global _filtered
+    names = logging.Logger.manager.loggerDict
+    if len(names) == _filtered:
+        return
+    _filtered = len(names)
+    for name, logger in list(names.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            logger.addFilter(_FILTER)
+
+
+def hush(on: bool) -> bool:
+    """Q2: turn this thread's quiet on or off; returns what it was."""
+    prior = _quiet()
+    _local.on = on
+    return prior
+
+
+class hushed:
+    """Q2 [ our captures are quiet ]: the ``with`` block calls dynamo for the steady state."""
+
+    __slots__ = ("prior",)
+
+    def __enter__(self) -> None:
+        global _depth
+        _filter_loggers()
+        utils = torch._dynamo.utils
+        with _lock:
+            if _depth == 0:
+                _warn_once[:] = [utils.warn_once]
+                utils.warn_once = _hushed_warn_once
+            _depth += 1
+        self.prior = hush(True)
+
+    def __exit__(self, *exc: object) -> None:
+        global _depth
+        hush(self.prior)
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                torch._dynamo.utils.warn_once = _warn_once.pop()
+        hooks_guarded()
+
+
+def guard_hooks() -> None:
+    """Q3 [ hooks are guarded ]: called by our backend, before dynamo builds the guards of
+    the graph it gives us."""
+    config = torch._dynamo.config
+    if getattr(_local, "hooks", None) is None:
+        _local.hooks = config.skip_nnmodule_hook_guards
+        config.skip_nnmodule_hook_guards = False
+
+
+def hooks_guarded() -> None:
+    """Q3: dynamo's flag put back (the guards of our capture are built)."""
+    prior = getattr(_local, "hooks", None)
+    if prior is not None:
+        _local.hooks = None
+        torch._dynamo.config.skip_nnmodule_hook_guards = prior
+
+
+def _trampoline(f: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return f(*args, **kwargs)
+
+
+_entries: dict[Any, Callable[..., Any]] = {}
+
+
+def entry(backend: Callable[..., Any]) -> Callable[..., Any]:
+    """Q1 [ one entry, nothing kept per function ]: ``entry(backend)(fn, *args, **kwargs)``
+    runs ``fn`` as ``torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)`` would.
+
+    Example::
+
+        >>> import torch
+        >>> from gradient_scope._adapters.dynamo import entry
+        >>> run = entry(lambda gm, example_inputs: gm.forward)
+        >>> run(lambda x: x * 2, torch.ones(2))
+        tensor([2., 2.])
+    """
+    found = _entries.get(backend)
+    if found is None:
+        from torch._dynamo.eval_frame import skip_code
+
+        skip_code(_trampoline.__code__)
+        found = _entries[backend] = torch.compile(_trampoline, backend=backend, fullgraph=True, dynamic=False)
+    return found

@@ -1,0 +1,101 @@
+"""The steady state (``GRADIENT_SCOPE_FAST=1``) is quiet (issue 35): nothing dynamo says while it
+captures a function for us reaches the user's stderr, logging or warnings, and the user's own
+``torch.compile`` finds dynamo as it was: its configuration, its ``warn_once``, a recompile
+budget of its own."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+import transformers
+
+import gradient_scope
+import gradient_scope.integrations.transformers as gs_hf
+
+from support.hf_models import VOCAB
+
+
+def _llama(layers):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def test_a_llama_with_the_cache_on_and_many_lengths_is_quiet(fast, capfd, caplog):
+    """use_cache=True (the config's default): dynamo makes a graph per layer and length and
+    hits its recompile limit; none of it is printed or logged, and the user's compile after
+    compiles within its own budget."""
+    model = gs_hf.enable(_llama(4))
+    assert model.config.use_cache
+    config = torch._dynamo.config.get_config_copy()
+    warn_once = torch._dynamo.utils.warn_once
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for length in range(4, 16):
+            ids = torch.randint(0, VOCAB, (2, length))
+            model(input_ids=ids, labels=ids).loss.backward()
+    out, err = capfd.readouterr()
+    assert "dynamo" not in err and "recompile" not in err and "dynamo" not in out, err[-2000:]
+    assert not [r for r in caplog.records if r.name.startswith("torch")]
+    assert not [w for w in warned if "dynamo" in str(w.message).lower() or "torch/_dynamo" in w.filename]
+    assert torch._dynamo.config.get_config_copy() == config
+    assert torch._dynamo.utils.warn_once is warn_once
+    stats = gradient_scope.model_stats(model)
+    assert stats.calls_steady + stats.calls_recorded == 4 * 12
+    assert stats.recorded_why.get("dynamo could not capture", 0) > 0  # past dynamo's recompile limit
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def user(x):
+        return (x * 2).sin()
+
+    compiled = torch.compile(user, backend=backend, dynamic=False)
+    for n in range(1, 7):  # six shapes: six graphs, under the recompile limit of 8
+        assert torch.equal(compiled(torch.ones(n)), user(torch.ones(n)))
+    assert len(graphs) == 6
+    out, err = capfd.readouterr()
+    assert "recompile" not in err
+
+
+def test_a_warn_once_of_traced_code_is_not_shown_but_the_users_compile_gets_it(fast):
+    """Dynamo's warn_once for an lru_cache in traced code (transformers' is_torch_less_or_equal
+    in its MoE code): the user's program does not warn, so the library does not; the quiet is
+    ours only: the user's own compile still gets dynamo's warning."""
+
+    @functools.lru_cache
+    def factor(n):
+        return float(n) + 1.0
+
+    def f(y):
+        return y * factor(1)
+
+    x = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            gradient_scope.checkpoint(f, x).sum().backward()
+    assert fast
+    assert not warned, [str(w.message)[:200] for w in warned]
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        torch.compile(lambda y: y * factor(3) + 1, backend="eager")(x)
+    assert any("lru_cache" in str(w.message) for w in warned)
