@@ -19,7 +19,7 @@ per op. Results: ``benchmarks/results/cpu-host/`` (``--quick``: ``cpu-host-quick
 ``--dtype bfloat16``: ``cpu-host-bf16/``).
 
 Two floors: ``mode_layer`` (a do-nothing dispatch mode, the floor of a recorder) and
-``dynamo_layer`` (each layer called through the steady state's own compiled function,
+``dynamo_layer`` (each layer called through the steady state's own dynamo entry,
 outside any scope: dynamo's guards, and the function as dynamo traces it -- code that
 branches on ``torch.compiler.is_compiling()`` takes its compiled branch; Hugging Face's
 MoE experts do, in float32, a per-expert loop of matmuls behind a custom op, where eager

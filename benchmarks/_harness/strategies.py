@@ -246,16 +246,12 @@ def apply_strategy(
 
 
 def _captured_layers(model: nn.Module, select: Selector) -> None:
-    """Each selected module's forward called through the steady state's compiled function
+    """Each selected module's forward called through the steady state's dynamo entry
     (the same dynamo cache entry a scope's steady run uses), outside any scope."""
-    from gradient_scope._adapters.steady.run import _target
+    from gradient_scope._adapters.steady.run import _entry
 
     for m in [m for m in model.modules() if select(m)]:
-        found = _target(m.forward)
-        if found is None:
-            raise ValueError(f"dynamo_layer: {type(m).__name__}.forward is not a function dynamo can capture")
-        compiled, head = found
-        m.forward = functools.partial(compiled, *head)  # type: ignore[method-assign]
+        m.forward = functools.partial(_entry, m.forward)  # type: ignore[method-assign]
 
 
 def _offload_all_context() -> Callable[[], Any]:

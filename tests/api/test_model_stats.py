@@ -2,6 +2,7 @@
 checkpoint run, summed per module and in total, checked against the same program
 with explicit scopes."""
 
+import dataclasses
 import functools
 import weakref
 
@@ -133,6 +134,14 @@ def test_bad_model():
         model_stats(lambda x: x)
 
 
+def _but_how_calls_ran(stats):
+    """``stats`` with the counts of how function-form calls ran (steady or recorded) zeroed."""
+    def blank(s):
+        return dataclasses.replace(s, calls_steady=0, calls_recorded=0, recorded_why={})
+
+    return dataclasses.replace(blank(stats), modules={k: blank(v) for k, v in stats.modules.items()})
+
+
 def test_per_step_counts_by_difference():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
     apply_recompute(model, check_fn=nn.Tanh)
@@ -141,7 +150,10 @@ def test_per_step_counts_by_difference():
         before = model_stats(model)
         model(torch.randn(4, 8)).sum().backward()
         steps.append(model_stats(model) - before)
-    assert steps[0] == steps[1] == steps[2]  # each step alone, while the totals grow
+    # each step alone, while the totals grow; how its calls ran may change over the first
+    # steps (the steady state records a function's first calls, GRADIENT_SCOPE_FAST=1)
+    assert _but_how_calls_ran(steps[0]) == _but_how_calls_ran(steps[1]) == _but_how_calls_ran(steps[2])
+    assert all(s.calls_steady + s.calls_recorded == 2 for s in steps)
     assert steps[0].replays == 2 and steps[0].tensors_packed == 3
     assert model_stats(model).replays == 6
     assert set(steps[0].modules) == {"1", "3"} and steps[0].modules["1"].replays == 1
