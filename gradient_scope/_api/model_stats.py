@@ -53,7 +53,9 @@ class ModelStats(ScopeStats):
             >>> print(ModelStats(ops_recorded=2, tensors_packed=1, bytes_packed=64, replays=1, ops_replayed=2))
             ops_recorded=2 tensors_packed=1 bytes_packed=64 replays=1 ops_replayed=2 (0 scoped modules)
         """
-        line = " ".join(f"{n}={getattr(self, n)}" for n in _COUNTERS if n != "ops_saved" or self.ops_saved)
+        # ops_saved and how function-form calls ran only where there is something to say
+        optional = ("ops_saved", "calls_steady", "calls_recorded", "recorded_why")
+        line = " ".join(f"{n}={getattr(self, n)}" for n in _COUNTERS if n not in optional or getattr(self, n))
         line += f" ({len(self.modules)} scoped modules)"
         if not self.compiled:
             return line

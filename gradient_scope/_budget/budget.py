@@ -391,9 +391,9 @@ class Budget:
         if r.blocks:  # an eager plan (a compiled one counts its recompute only)
             lines += [
                 "  the step counts the blocks' forward and backward (kernels and autograd per op,",
-                f"  {fmt_seconds(r.compute)}), the library's own cost (recording {r.ops} ops, packing {r.saves} saved",
-                f"  tensors, replaying {r.replayed} ops), recompute and copy wait, at this device's measured",
-                "  rates; not the code outside the scopes",
+                f"  {fmt_seconds(r.compute)}), the library's own cost (recording {r.ops_recorded} ops,",
+                f"  packing {r.saves} saved tensors, replaying {r.replayed} ops), recompute and copy wait,",
+                "  at this device's measured rates; not the code outside the scopes",
             ]
         return "\n".join(lines)
 

@@ -81,12 +81,10 @@ class HostPool:
         >>> from gradient_scope._budget.hostpool import HostPool
         >>> from gradient_scope._budget.streams import HostCopyStandIn
         >>> pool = HostPool(HostCopyStandIn(), limit=5000)
-        >>> pool.capacity                                          #
-        H3 [ pinned sizes as the allocator reserves them ]: one 4096-byte slab
+        >>> pool.capacity  # H3 [ pinned sizes as the allocator reserves them ]: one 4096-byte slab
         4096
         >>> a, b = pool.alloc(1000), pool.alloc(1000)
-        >>> pool.live, pool.reserved, pool.alloc(3000) is None    #
-        H2 [ a block's bytes as the plan counts them ]: 1024 bytes each
+        >>> pool.live, pool.reserved, pool.alloc(3000) is None  # H2 [ a block's bytes as the plan counts them ]
         (2048, 4096, True)
         >>> pool.free(a); pool.free(b)
         >>> pool.alloc(4000).nbytes, pool.reserved                # the slab, carved again

@@ -312,8 +312,8 @@ def decide(
 
         >>> chain = Chain(order=(0, 1), nbytes=(0, 50, 100), cost=(2.0, 1.0, 0.0))
         >>> cands, floor = [Item(50, 1), Item(50, 2)], [Item(100, 0)]
-        >>> decide(chain, cands, floor, 150, None).kept                 #
-        K4 [ the longest prefix that fits ]: one fits 1
+        >>> decide(chain, cands, floor, 150, None).kept  # K4 [ the longest prefix that fits ]: one fits
+        1
         >>> d = decide(chain, cands, floor, 150, Transfer(1e3, 1e3, 0.1, 0.1, 1e9))
         >>> d.kept, sorted(d.offloaded_floor), d.device, d.recompute  # offload the floor
         (2, [0], 100, 0.0)

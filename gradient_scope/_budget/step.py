@@ -111,7 +111,7 @@ class StepPlan:
     # what the library adds (recording, saves, replay's bookkeeping; in ``recompute`` too)
     compute: float = 0.0
     library: float = 0.0
-    ops: int = 0  # the blocks' ops, recorded
+    ops_recorded: int = 0  # the blocks' ops, recorded
     saves: int = 0  # the tensors they save
     replayed: int = 0  # ops replayed per step
     stored: list[StoredOp] = field(default_factory=list)
@@ -352,7 +352,7 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         d.below,
     )
     plan.replayed = _replayed(blocks, choices)
-    plan.compute, plan.ops, plan.saves = compute, ops, nsaves
+    plan.compute, plan.ops_recorded, plan.saves = compute, ops, nsaves
     plan.library = fixed - compute + plan.replayed * rates.replay
     plan.stored = _stored(blocks, choices, saves, it, d, chain)
     plan.seen = blocks

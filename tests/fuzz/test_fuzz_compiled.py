@@ -449,7 +449,7 @@ class _Blocks(torch.nn.Module):
 
     def __init__(self, n: int, ops: list[str]) -> None:
         super().__init__()
-        from conftest import ResidualMLP
+        from support import ResidualMLP
 
         self.blocks = torch.nn.ModuleList([ResidualMLP(8) for _ in range(n)])
         self.ops = ops

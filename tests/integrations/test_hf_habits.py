@@ -223,7 +223,10 @@ def test_model_stats_says_what_compiled_scopes_recompute():
 # -- 4. Plans you can read
 
 
-def test_stored_ops_name_the_module_the_line_and_why():
+def test_stored_ops_name_the_module_the_line_and_why(monkeypatch):
+    # The recorded path: a plan measured in a steady run names the captured graph, not the
+    # module inside the layer (docs/limitations.md).
+    monkeypatch.setenv("GRADIENT_SCOPE_FAST", "0")
     model = hf_models.make_model("llama", layers=2, seed=0).train()
     budget = Budget(100_000)
     gs_hf.enable(model, budget=budget)
