@@ -163,13 +163,20 @@ def _block(region: list[Node], backward: set[Node], rates: Any) -> tuple[BlockGr
     return graph, [tuple(values) for values in groups.values()]
 
 
+def kept_always(node: Node) -> bool:
+    """A collective or an op whose outputs decide shapes or routing (``_base.ops``): stored,
+    as in eager (R2 [ kept ops are not recorded ] in ``_record.entry``), whatever ``save=`` or a
+    budget says."""
+    return isinstance(node.target, OpOverload) and facts(node.target).never_replay
+
+
 def _kept_always(blocks: list[list[Node]]) -> dict[Node, int]:
-    """The read outputs of the blocks' collectives and routing ops (``_base.ops``), with
+    """The read outputs of the blocks' collectives and routing ops (:func:`kept_always`), with
     their bytes: stored whatever the plan (``MUST_SAVE``), so part of the floor."""
     out: dict[Node, int] = {}
     for nodes in blocks:
         for n in nodes:
-            if not (isinstance(n.target, OpOverload) and facts(n.target).never_replay):
+            if not kept_always(n):
                 continue
             outs = [n] if isinstance(_val(n), torch.Tensor) else [u for u in n.users if u.target is operator.getitem]
             out.update((o, nbytes(_val(o))) for o in outs if o.users)

@@ -66,13 +66,12 @@ import torch._functorch.config as _functorch_config
 
 from ..._base.errors import check_bool
 from ..._base.feedback import warn_once
-from ..._base.ops import facts
 from ..._base.options import scopes_disabled
 from ..._base.stats import ScopeStats, sink_by_key
 from ..._base.torch_compat import OpOverload, op_schema
 from ..._budget.budget import budget_by_key
 from ...policies import NAME_KEY, ContextPolicy, OpContext, as_save_policy, is_built_in
-from .budget import VERSION_BYTES, keep_within, nbytes
+from .budget import VERSION_BYTES, keep_within, kept_always, nbytes
 from .inputs import pin_reads_of_written_inputs
 from .versions import checkable_inputs, guard_input_versions
 
@@ -422,13 +421,6 @@ def _check_matched(tagged: list[tuple[torch.fx.Node, _Entry]], decisions: dict[t
             )
 
 
-def _kept_always(node: torch.fx.Node) -> bool:
-    """A collective or an op whose outputs decide shapes or routing (``_base.ops``): stored,
-    as in eager (R2 [ kept ops are not recorded ] in ``_record.entry``), whatever ``save=`` or a
-    budget says."""
-    return isinstance(node.target, OpOverload) and facts(node.target).never_replay
-
-
 def _apply_budgets(
     tagged: list[tuple[torch.fx.Node, _Entry]], backward: set[torch.fx.Node], checked: int
 ) -> list[tuple[Any, tuple[int, float, int]]]:
@@ -447,7 +439,7 @@ def _apply_budgets(
         planned.append((budget, figures))
         for nodes in regions.values():
             for node in nodes:
-                keep = node in kept or _kept_always(node)
+                keep = node in kept or kept_always(node)
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
     return planned
 
@@ -490,7 +482,7 @@ def _tag_joint_graph(gm: torch.fx.GraphModule) -> None:
         entry = _ENTRIES.get(scope_id)
         if entry is None:  # pragma: no cover - registered while tracing this graph
             continue
-        save = _kept_always(node)
+        save = kept_always(node)
         if not save and entry.policy is not None and isinstance(node.target, OpOverload):
             save = _decide(node, scope_id, entry.policy, decisions)
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
