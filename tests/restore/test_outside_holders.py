@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support.hf_models import SEQ, VOCAB, make_model
 
 from gradient_scope import apply_recompute
 from gradient_scope._record.types import Var
 from gradient_scope._restore import replay as _replay
+
+from support.hf_models import SEQ, VOCAB, make_model
 
 
 @pytest.fixture
