@@ -161,7 +161,7 @@ RECOMPILE_LIMIT = 64
 
 def _own_region() -> dict[str, Any]:
     """Q4: the arguments that give our captures their own recompile budget, apart from the
-    user's ``torch.compile`` of the same code (where this torch has them: 2.13 and later)."""
+    user's ``torch.compile`` of the same code (where this torch has them, as 2.13 does)."""
     import inspect
 
     params = inspect.signature(torch.compile).parameters

@@ -11,25 +11,7 @@ import transformers
 import gradient_scope
 from gradient_scope import apply_recompute
 
-from support.hf_models import VOCAB
-
-
-def _llama(layers, use_cache=False):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        vocab_size=VOCAB,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        use_cache=use_cache,
-    )
-    return transformers.LlamaForCausalLM(cfg).train()
+from support.hf_models import VOCAB, tiny_llama, users_compile
 
 
 def _layers(model):
@@ -59,7 +41,7 @@ def test_ten_layers_with_the_kv_cache_on_all_run_steady(fast):
     layer's keys and values into its cache, so dynamo makes a graph per layer (each indexes its
     own slot); ten graphs fit our captures' own budget (dynamo's default limit is 8), and
     once captured every layer runs steady, with plain's gradients."""
-    model, plain = _layers(_llama(10, use_cache=True)), _llama(10, use_cache=True)
+    model, plain = _layers(tiny_llama(10)), tiny_llama(10)
     _assert_same(model, plain, [9, 9, 9])
     before = gradient_scope.model_stats(model)
     assert "dynamo could not capture" not in before.recorded_why, before.recorded_why
@@ -74,7 +56,7 @@ def test_users_compile_keeps_its_budget_after_our_captures_at_twelve_lengths(fas
     compile of a function, and of one of the layers, compiles within its own limit of 8;
     dynamo's configuration is as it was."""
     config = torch._dynamo.config.get_config_copy()
-    model = _layers(_llama(4))
+    model = _layers(tiny_llama(4, use_cache=False))
     g = torch.Generator().manual_seed(0)
     for length in range(4, 16):
         ids = torch.randint(3, VOCAB, (2, length), generator=g)
@@ -83,18 +65,7 @@ def test_users_compile_keeps_its_budget_after_our_captures_at_twelve_lengths(fas
     assert stats.calls_steady >= 2 * 12 and "dynamo could not capture" not in stats.recorded_why, stats
     assert torch._dynamo.config.get_config_copy() == config
 
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    def user(x):
-        return (x * 2).sin()
-
-    compiled = torch.compile(user, backend=backend, dynamic=False)
-    for n in range(1, 9):  # eight shapes: eight graphs, at the recompile limit of 8
-        assert torch.equal(compiled(torch.ones(n)), user(torch.ones(n)))
+    graphs, backend = users_compile(8)  # eight shapes: eight graphs, at the recompile limit of 8
     assert len(graphs) == 8
     layer = model.model.layers[0]
     compiled_layer = torch.compile(layer, backend=backend, dynamic=False, fullgraph=True)
