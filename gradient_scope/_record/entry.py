@@ -1,6 +1,6 @@
 """How one op of an open block becomes an entry (an ``OpRecord``) of its record.
 
-RULES R1..R10: what a recording keeps.
+RULES R1..R12: what a recording keeps.
 
 R1. [ a written input is copied ] A block never holds a tensor whose storage it wrote
     to: an Input written by the block is replaced by a private copy of its value before
@@ -8,7 +8,8 @@ R1. [ a written input is copied ] A block never holds a tensor whose storage it 
     statistics then change once per forward; a view read later from the same storage is
     copied too.)
 R2. [ kept ops are not recorded ] Outputs of ops a ``save=`` policy keeps, of
-    collectives and of higher-order ops are not recorded: they are ordinary tensors,
+    ``c10d`` collectives (R11 [ a functional collective replays whole ]: functional ones
+    are recorded) and of higher-order ops are not recorded: they are ordinary tensors,
     stored by autograd. A ``save=`` policy never keeps an op that writes to an argument.
     Ops whose outputs decide shapes or routing (top-k and sort indices, nonzero,
     bincount, unique, values read to the host: ``_base.ops.kept_always``) are not
@@ -86,10 +87,20 @@ from ..policies import OpContext, region_name
 from . import registry as _registry
 from .context import running_module_path
 from .registry import _LIVE, Ledger, register
-from .wrappers import INNER, REWRAP, collective, flatten, wrapper
 from .types import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
+from .wrappers import collective, note_inner, rewrapped, wrapper
 
-__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen", "has_tensor", "outside", "note_inner", "rewrapped"]
+__all__ = [
+    "OpenBlock",
+    "Unrecordable",
+    "run_unrecorded",
+    "note_context",
+    "unseen",
+    "has_tensor",
+    "outside",
+    "note_inner",
+    "rewrapped",
+]
 
 Tensor = torch.Tensor
 _new_tuple = tuple.__new__
@@ -357,55 +368,6 @@ def outside(block: OpenBlock, t: Tensor, entry: _registry.Entry | None) -> Ref:
         if var is not None:
             return var
     return block.inputs.of(t, entry)
-
-
-def rewrapped(block: OpenBlock, t: Tensor) -> Var | None:
-    """R12 [ wrappers of block tensors are block tensors ]: the Var of wrapper ``t``, rebuilt
-    by a ``REWRAP`` of its inner tensors, if each is a tensor of ``block`` at its recorded
-    version (or such a wrapper itself); else None."""
-    tensors, others, ctx = flatten(t)
-    refs: list[Var] = []
-    for _, inner in tensors:
-        e = _LIVE.get(id(inner))
-        if e is not None and e.frame.owner is block.owner and e() is inner and _version(inner) == e.version:  # type: ignore[attr-defined]
-            refs.append(e)  # type: ignore[arg-type]  # this block's entries are Vars
-            continue
-        v = rewrapped(block, inner) if e is None and wrapper(inner) else None
-        if v is None:
-            return None
-        refs.append(v)
-    if not refs:
-        return None
-    ops = block.record.ops
-    var = _loose_var(block, t, len(ops), refs[0].root)
-    names = tuple(name for name, _ in tensors)
-    args = [type(t), ctx, t.shape, t.stride(), others, names, *refs]
-    ops.append(_new_tuple(OpRecord, (REWRAP, args, NO_KWARGS, None, (var,))))
-    return var
-
-
-def note_inner(block: OpenBlock, var: Var, t: Tensor) -> None:
-    """R12 [ wrappers of block tensors are block tensors ]: the inner tensors of ``t``, the
-    tensor of ``var`` if it is a wrapper, become block tensors (``INNER`` of it)."""
-    if not wrapper(t):
-        return
-    for name, inner in flatten(t)[0]:
-        if _registry.lookup(inner) is not None:
-            continue
-        ops = block.record.ops
-        v = _loose_var(block, inner, len(ops), var.root)
-        ops.append(_new_tuple(OpRecord, (INNER, [var, name], NO_KWARGS, None, (v,))))
-        note_inner(block, v, inner)
-
-
-def _loose_var(block: OpenBlock, t: Tensor, index: int, root: Group) -> Var:
-    """The registered Var of ``t``, made by op ``index``, in ``root``'s storage group with a
-    version counter of its own."""
-    var = new_var(t, index, block.frame, root, _version(t))
-    if type(root) is Var:
-        block.record.loose.setdefault(root, []).append(var)
-    register(var)
-    return var
 
 
 def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -4,7 +4,7 @@ The recorder exists only while a block is open in a thread. It hands each op
 to the innermost open block's :class:`~gradient_scope._entry.OpenBlock`,
 which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
 block's ``BlockRecord`` (see ``_record.types``); the op list never changes once the
-block is closed. The rules a recording keeps (R1..R10) are in ``_record.entry``.
+block is closed. The rules a recording keeps (R1..R12) are in ``_record.entry``.
 """
 
 from __future__ import annotations

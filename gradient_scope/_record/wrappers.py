@@ -20,13 +20,22 @@ A record op is a plain callable with ``_op`` (what ``_restore`` calls) and a nam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._base.subclass import is_wrapper
+from . import registry as _registry
+from .registry import _LIVE, register
+from .types import NO_KWARGS, Group, OpRecord, Var, new_var
 
-__all__ = ["RecordOp", "Collective", "REWRAP", "INNER", "collective", "is_collective"]
+if TYPE_CHECKING:
+    from .entry import OpenBlock
+
+Tensor = torch.Tensor
+_new_tuple = tuple.__new__
+
+__all__ = ["RecordOp", "Collective", "REWRAP", "INNER", "collective", "is_collective", "rewrapped", "note_inner"]
 
 
 class RecordOp:
@@ -58,7 +67,9 @@ class RecordOp:
     __repr__ = __str__
 
 
-def _rewrap(cls: Any, ctx: Any, size: Any, stride: Any, others: dict[str, Any], names: tuple[str, ...], *inner: Any) -> Any:
+def _rewrap(
+    cls: Any, ctx: Any, size: Any, stride: Any, others: dict[str, Any], names: tuple[str, ...], *inner: Any
+) -> Any:
     t = cls.__tensor_unflatten__({**others, **dict(zip(names, inner))}, ctx, size, stride)
     # forward's wrapper was an autograd output (from_local's); a replayed value is data only
     return t.detach() if t.requires_grad else t
@@ -130,3 +141,57 @@ def flatten(t: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], dict[str, 
 def wrapper(t: torch.Tensor) -> bool:
     """Whether ``t`` is a wrapper subclass (cheap for plain tensors)."""
     return type(t) is not torch.Tensor and is_wrapper(t)
+
+
+def rewrapped(block: OpenBlock, t: Tensor) -> Var | None:
+    """R12 [ wrappers of block tensors are block tensors ]: the Var of wrapper ``t``, rebuilt
+    by a ``REWRAP`` of its inner tensors, if each is a tensor of ``block`` at its recorded
+    version (or such a wrapper itself); else None."""
+    tensors, others, ctx = flatten(t)
+    refs: list[Var] = []
+    for _, inner in tensors:
+        e = _LIVE.get(id(inner))
+        if e is not None and e.frame.owner is block.owner and e() is inner and _version(inner) == e.version:  # type: ignore[attr-defined]
+            refs.append(e)  # type: ignore[arg-type]  # this block's entries are Vars
+            continue
+        v = rewrapped(block, inner) if e is None and wrapper(inner) else None
+        if v is None:
+            return None
+        refs.append(v)
+    if not refs:
+        return None
+    ops = block.record.ops
+    var = _loose_var(block, t, len(ops), refs[0].root)
+    names = tuple(name for name, _ in tensors)
+    args = [type(t), ctx, t.shape, t.stride(), others, names, *refs]
+    ops.append(_new_tuple(OpRecord, (REWRAP, args, NO_KWARGS, None, (var,))))
+    return var
+
+
+def note_inner(block: OpenBlock, var: Var, t: Tensor) -> None:
+    """R12 [ wrappers of block tensors are block tensors ]: the inner tensors of ``t``, the
+    tensor of ``var`` if it is a wrapper, become block tensors (``INNER`` of it)."""
+    if not wrapper(t):
+        return
+    for name, inner in flatten(t)[0]:
+        if _registry.lookup(inner) is not None:
+            continue
+        ops = block.record.ops
+        v = _loose_var(block, inner, len(ops), var.root)
+        ops.append(_new_tuple(OpRecord, (INNER, [var, name], NO_KWARGS, None, (v,))))
+        note_inner(block, v, inner)
+
+
+def _loose_var(block: OpenBlock, t: Tensor, index: int, root: Group) -> Var:
+    """The registered Var of ``t``, made by op ``index``, in ``root``'s storage group (a version
+    counter of its own, not a loose member: R12 [ wrappers of block tensors are block tensors ])."""
+    var = new_var(t, index, block.frame, root, _version(t))
+    register(var)
+    return var
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return 0

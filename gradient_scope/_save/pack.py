@@ -60,9 +60,9 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from .._base.errors import inplace_error, internal_error
+from .._base.subclass import is_wrapper
 from .._base.torch_compat import HookPair, node_sequence_nr, sequence_nr, without_python_dispatch
 from .._record import recorder as _recorder
-from .._base.subclass import is_wrapper
 from .._record.registry import Entry, lookup
 from .._record.types import Input, Var, ViewSpec, moved
 
