@@ -139,8 +139,9 @@ def flatten(t: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], dict[str, 
 
 
 def wrapper(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a wrapper subclass (cheap for plain tensors)."""
-    return type(t) is not torch.Tensor and is_wrapper(t)
+    """Whether ``t`` is a wrapper subclass (cheap for plain tensors); a jagged nested tensor is
+    none here (R8 [ jagged nested tensors are not recorded ])."""
+    return type(t) is not torch.Tensor and not t.is_nested and is_wrapper(t)
 
 
 def rewrapped(block: OpenBlock, t: Tensor) -> Var | None:

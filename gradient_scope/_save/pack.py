@@ -214,7 +214,7 @@ def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
     entry = lookup(t)
     if entry is not None:
         return entry, None, True
-    if type(t) is not Tensor and is_wrapper(t):
+    if type(t) is not Tensor and not t.is_nested and is_wrapper(t):
         var = _recorder.adopt(t)  # R12 [ wrappers of block tensors are block tensors ]
         if var is not None:
             return var, None, True
