@@ -60,6 +60,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from .._base.errors import inplace_error, internal_error
+from .._base.subclass import is_wrapper
 from .._base.torch_compat import HookPair, node_sequence_nr, sequence_nr, without_python_dispatch
 from .._record import recorder as _recorder
 from .._record.registry import Entry, lookup
@@ -213,6 +214,10 @@ def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
     entry = lookup(t)
     if entry is not None:
         return entry, None, True
+    if type(t) is not Tensor and not t.is_nested and is_wrapper(t):
+        var = _recorder.adopt(t)  # R12 [ wrappers of block tensors are block tensors ]
+        if var is not None:
+            return var, None, True
     base = t._base
     if base is None:
         return None, None, False
