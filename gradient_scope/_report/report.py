@@ -176,12 +176,7 @@ class _Observer:
 
     def held(self) -> int:
         """Bytes the blocks seen keep alive for replay that autograd does not store."""
-        records = []
-        for ref in self.states.values():
-            state = ref()
-            record = getattr(state, "record", None)
-            if record is not None:
-                records.append(record)
+        records = [r for r in (getattr(ref(), "record", None) for ref in self.states.values()) if r is not None]
         old = self.modules.state_keys()
         made = self.made
 
@@ -381,7 +376,9 @@ class SavedTensorsReport:
         saved run in backward, by name (``"_c10d_functional::all_reduce"``), with how many
         each (one per recorded call, over all those blocks); empty without tensor
         parallelism. Collectives that a DTensor op runs inside its own dispatch (sharding
-        propagation's redistributes) replay inside that op and are not listed.
+        propagation's redistributes) replay inside that op and are not listed. Every
+        collective recorded in those blocks counts, also one whose output a memory budget
+        stores.
 
         Example::
 
