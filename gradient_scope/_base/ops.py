@@ -11,7 +11,7 @@ import torch
 
 from .torch_compat import SEEDED_TAG, get_alias_info, op_schema, overload_kernel
 
-__all__ = ["OpFacts", "facts", "kept_always", "NEW", "INPLACE", "VIEW"]
+__all__ = ["OpFacts", "facts", "kept_always", "is_collective", "NEW", "INPLACE", "VIEW"]
 
 #: Output kinds: a fresh tensor, an argument the op wrote and returns, a view
 #: of an argument.
@@ -49,6 +49,20 @@ _HIDDEN_VIEWS = frozenset(
 # Collectives replayed in backward can hang or corrupt data when ranks replay
 # in different orders: their outputs are stored, never recomputed.
 _NEVER_REPLAY_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+
+
+def is_collective(func: Any) -> bool:
+    """Whether ``func`` (an OpOverload) is a collective: an op of a c10d namespace.
+
+    Example::
+
+        >>> is_collective(torch.ops._c10d_functional.all_gather_into_tensor.default)
+        True
+        >>> is_collective(torch.ops.aten.mm.default)
+        False
+    """
+    return getattr(func, "namespace", None) in _NEVER_REPLAY_NAMESPACES
+
 
 # Ops whose outputs decide shapes or routing: which elements a selection or an ordering
 # picked, where the nonzeros are, counts and buckets, unique values, values read to the

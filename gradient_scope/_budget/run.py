@@ -14,6 +14,7 @@ from .._base.feedback import warn_user
 from .._record.types import BlockRecord
 from .._save import interception as _interception
 from .._save import pack as _pack
+from . import agree as _agree
 from .block import BlockPlan, Plan
 from .curve import fmt_bytes
 from .measure import Measured, costs, measure
@@ -78,6 +79,11 @@ class Run:
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
         # (site, structure) -> where each save of its block ran, as last measured (stored_ops)
         self.wheres: dict[tuple[Hashable, Any], dict[Place, tuple[str, str]]] = {}
+        # (site, structure) -> (its ops' digest, whether its replay may communicate),
+        # as measured (A1 [ a shared block needs one plan ] in ``_budget.agree``)
+        self.digests: dict[tuple[Hashable, Any], tuple[int, bool]] = {}
+        # the ended step the ranks have not agreed on yet (A2 [ agreed where every rank is ])
+        self.unagreed: tuple[Any, ...] | None = None
 
     # -- steps (M2 [ what a step is ])
 
@@ -87,6 +93,9 @@ class Run:
 
     def _starting(self) -> None:
         self.settle()
+        pending, self.unagreed = self.unagreed, None
+        if pending is not None:  # A2 [ agreed where every rank is ]: every rank enters here
+            _agree.agree(self, *pending)
         if not self.step and not self.regions and self.engine is not None:
             self.engine.new_step()
 
@@ -190,6 +199,8 @@ class Run:
 
     def measured(self, bp: BlockPlan, record: BlockRecord) -> None:
         key = (bp.site, bp.keys)
+        if key not in self.digests and _agree.world() is not None:
+            self.digests[key] = (_agree.digest(record), _agree.is_shared(record))
         if key not in self.graphs:
             m = measure(record)
             g = BlockGraph(where(bp.site), costs(m, rates_for(m.device)), tuple(m.reads), tuple(m.producers),
@@ -220,6 +231,7 @@ class Run:
         known = self.results.get(structure)
         if known is not None and all(bp.known for bp in blocks) and all(r.matches() for r in regions):
             self.result = known  # M8 [ the figures of the last step's plan ]
+            self._to_agree(blocks, regions, structure, False)
             return
         for bp in blocks:
             key = (bp.site, bp.occurrence, bp.keys)
@@ -235,6 +247,17 @@ class Run:
                 self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
+        self._to_agree(blocks, regions, structure, True)
+
+    def _to_agree(self, blocks: list[BlockPlan], regions: list[Region], structure: Hashable, planned: bool) -> None:
+        """A2 [ agreed where every rank is ]: in a distributed run, an ended step with a
+        shared block is agreed at the next block or forward entry."""
+        if _agree.world() is None:
+            return
+        found = [self.digests.get((bp.site, bp.keys)) for bp in blocks]
+        digests = [_agree.site_digest(bp.site, bp.occurrence, f[0] if f else 0) for bp, f in zip(blocks, found)]
+        if any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
+            self.unagreed = (blocks, regions, structure, digests, planned)
 
     def warn_once(self, what: str, message: str) -> None:
         """Warn once per budget, at the user's line."""

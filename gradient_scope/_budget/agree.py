@@ -1,0 +1,226 @@
+"""Plans agreed across ranks: every rank of a process group runs the same plan.
+
+RULES A1..A4: how the ranks of a distributed program agree on a budget's plan.
+
+A1. [ a shared block needs one plan ] A block is *shared* when its replay may issue a
+    collective: it recorded a collective op, read a DTensor (TP: its ops redistribute),
+    or read a parameter FSDP2 gathers (a replay that finds it freed gathers it again,
+    ``_adapters.fsdp``). A collective replayed on one rank and not on another, or in
+    another order, deadlocks; so a step with a shared block follows one plan on every
+    rank. A step without one exchanges nothing: its replays issue no collective (DDP,
+    and the calibration's budgets, which run on one rank only), and each rank keeps
+    its own plan. Whether a block is shared depends on the program, not on the rank:
+    every rank of one program agrees on it.
+A2. [ agreed where every rank is ] Ranks agree at one point of the program that every
+    rank reaches in the same order of collectives: the first block or model forward of
+    the step after a planned one (``_budget.run.Run`` calls :func:`agree` there), never
+    in a user's query of the figures (which may run on one rank only) nor in backward.
+    A step ended by a query is agreed at that next entry.
+A3. [ rank 0's plan ] Each rank sends one small vector (its step structure's digest,
+    whether it made a new plan, its block count); when the digests agree and any rank
+    planned, rank 0's plan (made at rank 0's budget and rates) is broadcast and every
+    rank installs it in place of its own, so a rank's figures are rank 0's too.
+    Differing budgets or measured rates thus never make ranks replay differently.
+A4. [ no agreement, an error ] Ranks whose step structures differ (other block
+    structures, another number of blocks) cannot share a plan: every rank raises the
+    same ``RuntimeError`` (all of them see the gathered vectors, so none waits for
+    another), naming the structures.
+
+Outside a distributed run (``torch.distributed`` not initialised, or one rank) nothing
+is exchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from .._base.ops import is_collective
+from .._base.subclass import is_wrapper
+from .._base.torch_compat import without_python_dispatch, without_torch_function
+from .._record.types import BlockRecord, Input
+from .block import Plan
+from .region import RegionPlan
+from .step import StepPlan
+
+__all__ = ["Agreement", "agree", "add_shared_check", "digest", "is_shared", "site_digest", "world"]
+
+# Callbacks that say a record reads a tensor whose replay gathers (FSDP2's), registered
+# by the public layer (``_adapters.fsdp``): the budget imports no adapter.
+_shared_checks: list[Callable[[Any], bool]] = []
+
+
+def add_shared_check(fn: Callable[[Any], bool]) -> Callable[[], None]:
+    """Register ``fn(tensor) -> bool``: True for an outside tensor whose replay may run a
+    collective (A1 [ a shared block needs one plan ]). Returns a function that removes it."""
+    _shared_checks.append(fn)
+
+    def remove() -> None:
+        if fn in _shared_checks:
+            _shared_checks.remove(fn)
+
+    return remove
+
+
+def world() -> tuple[Any, int, int] | None:
+    """``(default group, its size, this rank)`` in a distributed run of more than one
+    rank, else None."""
+    if not torch.distributed.is_available():
+        return None
+    dist = torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+
+
+def is_shared(record: BlockRecord) -> bool:
+    """A1 [ a shared block needs one plan ]: whether a replay of ``record`` may issue a
+    collective."""
+    for rec in record.ops:
+        if is_collective(rec.func):
+            return True
+        for a in (*rec.args, *rec.kwargs.values()):
+            if type(a) is Input:
+                t = a.tensor
+                if is_wrapper(t) or any(check(t) for check in _shared_checks):
+                    return True
+    return False
+
+
+def site_digest(site: Hashable, occurrence: int, ops: int) -> int:
+    """A process-independent digest of one block of a step: its site (file name, line,
+    module path), its occurrence and its ops' :func:`digest`."""
+    if isinstance(site, tuple) and len(site) == 3:
+        file, line, what = site
+        text = repr((str(file).rsplit("/", 1)[-1], line, what, occurrence, ops))
+    else:
+        text = repr((str(site), occurrence, ops))
+    return _int64(hashlib.sha256(text.encode()).digest())
+
+
+def digest(record: BlockRecord) -> int:
+    """A process-independent digest of a block's ops: each op's name with its outputs'
+    shapes and dtypes (the signature's op entries are ``id()``s, which differ from process
+    to process)."""
+    h = hashlib.sha256()
+    for rec in record.ops:
+        outs = tuple(None if v is None or v.size is None else (tuple(v.size), str(v.dtype)) for v in rec.outs)
+        h.update(repr((str(rec.func), outs)).encode())
+    return _int64(h.digest())
+
+
+def _int64(b: bytes) -> int:
+    return int.from_bytes(b[:8], "little", signed=True)
+
+
+class Agreement(Protocol):
+    """What :func:`agree` asks of a budget's run (``_budget.run.Run`` offers it)."""
+
+    plans: dict[tuple[Hashable, int], list[Plan]]
+    region_plans: dict[int, list[RegionPlan]]
+    results: dict[Hashable, StepPlan]
+    result: StepPlan | None
+
+
+class Ended(Protocol):
+    """One block of an ended step, as :func:`agree` reads it (``_budget.block.BlockPlan``)."""
+
+    site: Hashable
+    occurrence: int
+    keys: tuple[Hashable, ...] | None
+
+
+class EndedRegion(Protocol):
+    """One model forward of an ended step (``_budget.region.Region``)."""
+
+    occurrence: int
+    keys: list[Hashable]
+
+
+def agree(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion], structure: Hashable,
+          digests: Sequence[int], planned: bool) -> None:  # fmt: skip
+    """A2 [ agreed where every rank is ] .. A4 [ no agreement, an error ]: agree the plan of
+    the step that ended (``blocks``, ``regions`` of ``structure``, their ``digests``) with
+    the other ranks; ``planned``: this rank made a new plan for it."""
+    where = world()
+    if where is None:
+        return
+    group, size, rank = where
+    dist = torch.distributed
+    h = hashlib.sha256(repr(tuple(digests)).encode())
+    h.update(repr(tuple((r.occurrence, len(r.keys)) for r in regions)).encode())
+    mine = [_int64(h.digest()), int(planned), len(blocks)]
+    device = _device(group)
+    with torch.no_grad(), without_torch_function(), without_python_dispatch():
+        local = torch.tensor(mine, dtype=torch.int64, device=device)
+        out = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(out, local, group=group)
+        seen = [[int(x) for x in t.tolist()] for t in out]
+        if len({s[0] for s in seen}) > 1:  # A4 [ no agreement, an error ]
+            counts = ", ".join(f"rank {r}: {s[2]} blocks, structure {s[0] & 0xFFFFFFFF:08x}"
+                               for r, s in enumerate(seen))  # fmt: skip
+            raise RuntimeError(
+                "gradient_scope: the ranks ran different scoped block structures in one step under a budget "
+                f"({counts}), and their replays run collectives (tensor parallelism, FSDP2 or a collective in "
+                "a block): ranks that replay differently would wait on each other forever, so no plan is "
+                "applied. Give every rank of the process group the same block structure (the same sequence "
+                "length and the same scoped layers), or train these ranks without a budget."
+            )
+        if not any(s[1] for s in seen):
+            return  # every rank follows the plan agreed before
+        box: list[Any] = [_export(run, blocks, regions, structure) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=group)
+    _install(run, blocks, regions, structure, box[0])
+
+
+def _device(group: Any) -> torch.device:
+    backend = str(torch.distributed.get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_Fields = tuple[Any, ...]
+
+
+def _export(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion], structure: Hashable) -> Any:
+    """Rank 0's plan of the step: per block (in step order) its plan's decisions, per
+    region its offloads, and the step's figures (plain data: keys hold ``id()``s)."""
+    per_block: list[_Fields | None] = []
+    for bp in blocks:
+        plan = next((p for p in run.plans.get((bp.site, bp.occurrence), ()) if p.keys == bp.keys), None)
+        per_block.append(None if plan is None else tuple(plan)[1:])
+    per_region: list[frozenset[int] | None] = []
+    for r in regions:
+        keys = tuple(r.keys)
+        rp = next((p for p in run.region_plans.get(r.occurrence, ()) if p.keys == keys), None)
+        per_region.append(None if rp is None else rp.offloaded)
+    result = run.results.get(structure)
+    return per_block, per_region, None if result is None else replace(result, seen=[])
+
+
+def _install(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion], structure: Hashable,
+             plan: Any) -> None:  # fmt: skip
+    per_block, per_region, result = plan
+    for bp, fields in zip(blocks, per_block):
+        if fields is None or bp.keys is None:
+            continue
+        key = (bp.site, bp.occurrence)
+        others = [p for p in run.plans.get(key, []) if p.keys != bp.keys]
+        run.plans[key] = [*others, Plan(bp.keys, *fields)]
+    for r, offloaded in zip(regions, per_region):
+        if offloaded is None:
+            continue
+        keys = tuple(r.keys)
+        others_r = [p for p in run.region_plans.get(r.occurrence, []) if p.keys != keys]
+        run.region_plans[r.occurrence] = [*others_r, RegionPlan(keys, offloaded)]
+    if result is not None:
+        local = run.results.get(structure)
+        agreed = replace(result, seen=local.seen if local is not None else [])
+        run.results[structure] = agreed
+        if run.result is local:
+            run.result = agreed
