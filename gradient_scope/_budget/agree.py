@@ -21,6 +21,9 @@ A3. [ rank 0's plan ] Each rank sends one small vector (its step structure's dig
     planned, rank 0's plan (made at rank 0's budget and rates) is broadcast and every
     rank installs it in place of its own, so a rank's figures are rank 0's too.
     Differing budgets or measured rates thus never make ranks replay differently.
+    Process groups whose collectives the blocks recorded and that have no measured
+    rates yet are measured here first, by every rank together (a measurement is a
+    collective), and rank 0 plans again with its collectives priced.
 A4. [ no agreement, an error ] Ranks whose step structures differ (other block
     structures, another number of blocks) cannot share a plan: every rank raises the
     same ``RuntimeError`` (all of them see the gathered vectors, so none waits for
@@ -44,6 +47,7 @@ from .._base.subclass import is_wrapper
 from .._base.torch_compat import without_python_dispatch, without_torch_function
 from .._record.types import BlockRecord, Input
 from .block import Plan
+from .rates import comm_rates, measure_comm
 from .region import RegionPlan
 from .step import StepPlan
 
@@ -125,6 +129,12 @@ class Agreement(Protocol):
     results: dict[Hashable, StepPlan]
     result: StepPlan | None
 
+    def comm_groups(self, blocks: Any) -> list[str]:
+        """The process groups of the collectives ``blocks`` recorded, sorted."""
+
+    def replan(self, blocks: Any, regions: Any, structure: Hashable) -> None:
+        """Plan an ended step again (at newly measured rates)."""
+
 
 class Ended(Protocol):
     """One block of an ended step, as :func:`agree` reads it (``_budget.block.BlockPlan``)."""
@@ -172,6 +182,11 @@ def agree(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion
             )
         if not any(s[1] for s in seen):
             return  # every rank follows the plan agreed before
+        groups = [g for g in run.comm_groups(blocks) if comm_rates(g) is None]
+        if groups:  # the same groups on every rank (the same structure): measured together
+            measure_comm(groups)
+            if rank == 0:  # rank 0's plan, now with its collectives priced
+                run.replan(blocks, regions, structure)
         box: list[Any] = [_export(run, blocks, regions, structure) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
     _install(run, blocks, regions, structure, box[0])

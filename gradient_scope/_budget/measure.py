@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from .._base.ops import is_collective
 from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
 from .._restore.replay import op_refs
-from .rates import Rates, seconds
+from .rates import Rates, comm_rates, comm_seconds, seconds
 
 __all__ = [
     "value_index",
@@ -71,6 +72,8 @@ class Measured:
         "device",
         "params",
         "out",
+        "groups",
+        "comm",
     )
 
     def __init__(self) -> None:
@@ -85,6 +88,10 @@ class Measured:
         self.cuttable: list[bool] = []
         self.needs: list[tuple[int, ...]] = []
         self.places: list[tuple[int, int]] = []  # per value: (op, output index)
+        # per op: the process group a collective runs on (None: not a collective), and
+        # the local bytes of its larger side (what its time is priced by)
+        self.groups: list[str | None] = []
+        self.comm: list[int] = []
 
 
 def measure(record: BlockRecord) -> Measured:
@@ -100,6 +107,9 @@ def measure(record: BlockRecord) -> Measured:
             device = next((v.device for v in rec.outs if v is not None), None)
         m.reads.append(tuple(_number(index, record, r) for r in op_refs(rec) if type(r) is Var))
         m.names.append(str(rec.func))
+        group = _group(rec) if is_collective(rec.func) else None
+        m.groups.append(group)
+        m.comm.append(_comm_bytes(rec) if group is not None else 0)
         for k, v in enumerate(rec.outs):
             if v is not None:
                 writes = v.root.writes
@@ -129,8 +139,30 @@ def _param_bytes(record: BlockRecord) -> int:
 
 
 def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
-    """Each op's replay time in seconds at ``rates``: its kernel and replay's bookkeeping."""
-    return tuple(seconds(f, b, rates) + rates.replay for f, b in zip(m.flops, m.moved))
+    """Each op's replay time in seconds at ``rates``: its kernel and replay's bookkeeping.
+    A collective on a process group whose rates are measured (``rates.comm_rates``) is
+    priced by them and its local bytes; before that, as any op moving its bytes."""
+    out = []
+    for f, b, group, n in zip(m.flops, m.moved, m.groups, m.comm):
+        comm = comm_rates(group) if group is not None else None
+        out.append((comm_seconds(n, comm) if comm is not None else seconds(f, b, rates)) + rates.replay)
+    return tuple(out)
+
+
+def _group(rec: OpRecord) -> str | None:
+    """The process group name a functional collective's arguments carry (its last string
+    argument: ``all_gather_into_tensor(input, group_size, group_name)``), or None."""
+    for a in reversed((*rec.args, *rec.kwargs.values())):
+        if isinstance(a, str):
+            return a
+    return None
+
+
+def _comm_bytes(rec: OpRecord) -> int:
+    """A collective's local bytes: its larger side on this rank (an all-gather's output,
+    a reduce-scatter's input)."""
+    sides = [_nbytes(a) for a in (*rec.args, *rec.kwargs.values())] + [_nbytes(v) for v in rec.outs if v is not None]
+    return max(sides, default=0)
 
 
 def _nbytes(a: Any) -> int:

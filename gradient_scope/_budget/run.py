@@ -259,6 +259,18 @@ class Run:
         if any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
             self.unagreed = (blocks, regions, structure, digests, planned)
 
+    def comm_groups(self, blocks: list[BlockPlan]) -> list[str]:
+        """The process groups the collectives of ``blocks`` run on, sorted (the same list
+        on every rank whose step has the same structure)."""
+        found = {g for bp in blocks if (bp.site, bp.keys) in self.graphs
+                 for g in self.graphs[(bp.site, bp.keys)][1].groups if g is not None}  # fmt: skip
+        return sorted(found)
+
+    def replan(self, blocks: list[BlockPlan], regions: list[Region], structure: Hashable) -> None:
+        """Plan the ended step ``blocks``, ``regions`` again (new rates were measured)."""
+        _plan(self, blocks, regions)
+        self.results[structure] = self.result  # type: ignore[assignment]
+
     def warn_once(self, what: str, message: str) -> None:
         """Warn once per budget, at the user's line."""
         if what not in self.warned:
@@ -273,7 +285,10 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
         g, m = self.graphs[(bp.site, bp.keys)]
         label = f"{where(bp.site)}#{bp.occurrence}"
         index = {place: v for v, place in enumerate(m.places)}
-        graph = BlockGraph(label, g.costs, g.reads, g.producers, g.cuttable, g.needs,
+        # a block's collectives are priced at plan time: their groups' rates are measured
+        # where the ranks agree, after the block was measured (``_budget.rates`` CommRates)
+        priced = costs(m, rates_for(m.device)) if any(m.groups) else g.costs
+        graph = BlockGraph(label, priced, g.reads, g.producers, g.cuttable, g.needs,
                            tuple(index[p] for p in bp.saved if p in index))  # fmt: skip
         if bp.where:  # measured in this step: where its saves ran (kept for the planned steps)
             self.wheres[(bp.site, bp.keys)] = dict(bp.where)

@@ -179,6 +179,7 @@ def _worker(rank, port, outdir):
             results[layout] = {s: _guarded(_train, rank, s, layout) for s in (False, True)}
             results[f"{layout}_mismatch"] = _guarded(_mismatch, rank, layout)
         results["ddp_mismatch"] = _guarded(_local_mismatch, rank)
+        results["comm"] = _guarded(_comm_rates, rank)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -195,6 +196,20 @@ def _local_mismatch(rank):
     for _ in range(STEPS):
         model(torch.randn(4 if rank == 0 else 6, DIM)).pow(2).mean().backward()
     return {"planned_bytes": budget.planned_bytes}
+
+
+def _comm_rates(rank):
+    """The world group's collectives measured (every rank together), once per process."""
+    import torch.distributed as dist
+
+    from gradient_scope._budget import rates
+
+    name = dist.group.WORLD.group_name
+    assert rates.comm_rates(name) is None
+    rates.measure_comm([name])
+    first = rates.comm_rates(name)
+    rates.measure_comm([name])  # measured already: no collective (a rank alone would hang)
+    return {"rates": first, "again": rates.comm_rates(name)}
 
 
 def _main(port, outdir):
@@ -267,6 +282,60 @@ def test_ranks_with_other_structures_raise_instead_of_hanging(ranks, layout):
 def test_ranks_whose_blocks_do_not_communicate_keep_their_own_plans(ranks):
     b0, b1 = (_ok(r["ddp_mismatch"], f"rank {i}") for i, r in enumerate(ranks))
     assert b0["planned_bytes"] < b1["planned_bytes"]  # each its own budget's plan
+
+
+def test_process_group_collectives_are_measured_once(ranks):
+    for rank, res in enumerate(ranks):
+        got = _ok(res["comm"], f"rank {rank}")
+        r = got["rates"]
+        assert got["again"] is r
+        assert 0 < r.latency < 1 and 1e6 < r.bandwidth < 1e13, r
+
+
+def _collective_record(nbytes_in, group="7"):
+    """A closed record by hand: ``all_gather_into_tensor`` of a local shard of ``nbytes_in``
+    bytes over 2 ranks of group ``group``, then ``mul``: what a TP block records."""
+    from gradient_scope._record.types import Input, OpRecord, Var
+
+    shard = torch.ones(nbytes_in // 4)
+    inp = Input(shard)
+    full = torch.ones(2 * shard.numel())  # (a Var refers to its tensor weakly: kept here)
+    gathered, doubled = Var(full), Var(full)
+    for op, v in enumerate((gathered, doubled)):
+        v.op, v.size, v.dtype, v.base, v.writes = op, full.shape, full.dtype, None, ()
+    _collective_record.keep = full
+    ag = torch.ops._c10d_functional.all_gather_into_tensor.default
+    return [
+        OpRecord(ag, [inp, 2, group], {}, None, (gathered,)),
+        OpRecord(torch.ops.aten.mul.Tensor, [gathered, 2.0], {}, None, (doubled,)),
+    ]
+
+
+def test_a_collective_is_priced_by_its_groups_measured_rates_and_local_bytes():
+    import torch.distributed  # noqa: F401  (registers the functional collectives)
+
+    from gradient_scope._budget import measure as M
+    from gradient_scope._budget import rates
+
+    ops = _collective_record(4096)
+    assert M._group(ops[0]) == "7" and M._comm_bytes(ops[0]) == 8192  # the gathered output, local
+    m = M.Measured()
+    for rec in ops:
+        flops, moved = M.op_work(rec)
+        m.flops.append(flops)
+        m.moved.append(moved)
+        m.groups.append(M._group(rec) if M.is_collective(rec.func) else None)
+        m.comm.append(M._comm_bytes(rec) if m.groups[-1] is not None else 0)
+    assert m.groups == ["7", None]
+    device = rates.Rates(flops=1e12, memory=1e11, overhead=1e-6, to_host=1e10, to_device=1e10, replay=1e-5)
+    before = M.costs(m, device)  # unmeasured group: priced as any op moving its bytes
+    assert before[0] == pytest.approx(rates.seconds(m.flops[0], m.moved[0], device) + 1e-5)
+    slow = rates.CommRates(latency=2e-3, bandwidth=1e6)
+    with rates.pinned_comm_rates("7", slow):
+        priced = M.costs(m, device)
+    assert priced[0] == pytest.approx(2e-3 + 8192 / 1e6 + 1e-5)
+    assert priced[1] == before[1]  # other ops as before
+    assert rates.comm_rates("7") is None  # pinned only inside the block
 
 
 if __name__ == "__main__":
