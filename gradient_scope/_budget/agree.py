@@ -27,7 +27,11 @@ A3. [ rank 0's plan ] Each rank sends one small vector (its step structure's dig
 A4. [ no agreement, an error ] Ranks whose step structures differ (other block
     structures, another number of blocks) cannot share a plan: every rank raises the
     same ``RuntimeError`` (all of them see the gathered vectors, so none waits for
-    another), naming the structures.
+    another), naming the structures. The saves of the code outside the blocks are not
+    part of the structure agreed (compiled blocks, which decide what they keep at their
+    own rank's budget when they compile, save differently by rank, and nothing there
+    replays): a model forward takes rank 0's offloads where its saves are rank 0's, and
+    keeps its own plan otherwise.
 
 Outside a distributed run (``torch.distributed`` not initialised, or one rank) nothing
 is exchanged.
@@ -129,12 +133,6 @@ class Agreement(Protocol):
     results: dict[Hashable, StepPlan]
     result: StepPlan | None
 
-    def comm_groups(self, blocks: Any) -> list[str]:
-        """The process groups of the collectives ``blocks`` recorded, sorted."""
-
-    def replan(self, blocks: Any, regions: Any, structure: Hashable) -> None:
-        """Plan an ended step again (at newly measured rates)."""
-
 
 class Ended(Protocol):
     """One block of an ended step, as :func:`agree` reads it (``_budget.block.BlockPlan``)."""
@@ -152,18 +150,20 @@ class EndedRegion(Protocol):
 
 
 def agree(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion], structure: Hashable,
-          digests: Sequence[int], planned: bool) -> None:  # fmt: skip
+          digests: Sequence[int], planned: bool, groups: Sequence[str],
+          replan: Callable[[], None]) -> None:  # fmt: skip
     """A2 [ agreed where every rank is ] .. A4 [ no agreement, an error ]: agree the plan of
     the step that ended (``blocks``, ``regions`` of ``structure``, their ``digests``) with
-    the other ranks; ``planned``: this rank made a new plan for it."""
+    the other ranks; ``planned``: this rank made a new plan for it; ``groups``: the process
+    groups of its collectives; ``replan()`` plans it again (with new rates)."""
     where = world()
     if where is None:
         return
     group, size, rank = where
     dist = torch.distributed
-    h = hashlib.sha256(repr(tuple(digests)).encode())
-    h.update(repr(tuple((r.occurrence, len(r.keys)) for r in regions)).encode())
-    mine = [_int64(h.digest()), int(planned), len(blocks)]
+    # the blocks only: what the code outside them saves (compiled blocks, planned at each
+    # rank's own budget when they compile) may differ by rank and replays nothing
+    mine = [_int64(hashlib.sha256(repr(tuple(digests)).encode()).digest()), int(planned), len(blocks)]
     device = _device(group)
     with torch.no_grad(), without_torch_function(), without_python_dispatch():
         local = torch.tensor(mine, dtype=torch.int64, device=device)
@@ -182,11 +182,11 @@ def agree(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegion
             )
         if not any(s[1] for s in seen):
             return  # every rank follows the plan agreed before
-        groups = [g for g in run.comm_groups(blocks) if comm_rates(g) is None]
-        if groups:  # the same groups on every rank (the same structure): measured together
-            measure_comm(groups)
+        unmeasured = [g for g in groups if comm_rates(g) is None]
+        if unmeasured:  # the same groups on every rank (the same structure): measured together
+            measure_comm(unmeasured)
             if rank == 0:  # rank 0's plan, now with its collectives priced
-                run.replan(blocks, regions, structure)
+                replan()
         box: list[Any] = [_export(run, blocks, regions, structure) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
     _install(run, blocks, regions, structure, box[0])
@@ -209,11 +209,10 @@ def _export(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedRegi
     for bp in blocks:
         plan = next((p for p in run.plans.get((bp.site, bp.occurrence), ()) if p.keys == bp.keys), None)
         per_block.append(None if plan is None else tuple(plan)[1:])
-    per_region: list[frozenset[int] | None] = []
+    per_region: list[RegionPlan | None] = []
     for r in regions:
         keys = tuple(r.keys)
-        rp = next((p for p in run.region_plans.get(r.occurrence, ()) if p.keys == keys), None)
-        per_region.append(None if rp is None else rp.offloaded)
+        per_region.append(next((p for p in run.region_plans.get(r.occurrence, ()) if p.keys == keys), None))
     result = run.results.get(structure)
     return per_block, per_region, None if result is None else replace(result, seen=[])
 
@@ -227,12 +226,12 @@ def _install(run: Agreement, blocks: Sequence[Ended], regions: Sequence[EndedReg
         key = (bp.site, bp.occurrence)
         others = [p for p in run.plans.get(key, []) if p.keys != bp.keys]
         run.plans[key] = [*others, Plan(bp.keys, *fields)]
-    for r, offloaded in zip(regions, per_region):
-        if offloaded is None:
-            continue
+    for r, rp in zip(regions, per_region):
         keys = tuple(r.keys)
+        if rp is None or rp.keys != keys:
+            continue  # saves outside the blocks differ from rank 0's: this rank's own plan
         others_r = [p for p in run.region_plans.get(r.occurrence, []) if p.keys != keys]
-        run.region_plans[r.occurrence] = [*others_r, RegionPlan(keys, offloaded)]
+        run.region_plans[r.occurrence] = [*others_r, rp]
     if result is not None:
         local = run.results.get(structure)
         agreed = replace(result, seen=local.seen if local is not None else [])

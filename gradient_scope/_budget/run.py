@@ -93,9 +93,7 @@ class Run:
 
     def _starting(self) -> None:
         self.settle()
-        pending, self.unagreed = self.unagreed, None
-        if pending is not None:  # A2 [ agreed where every rank is ]: every rank enters here
-            _agree.agree(self, *pending)
+        _agree_pending(self)
         if not self.step and not self.regions and self.engine is not None:
             self.engine.new_step()
 
@@ -208,17 +206,7 @@ class Run:
             self.graphs[key] = (g, m)
 
     def end_step(self) -> None:
-        refused = self.engine.take_refused() if self.engine is not None else 0
-        if refused:
-            host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
-            self.warn_once(
-                "refused",
-                f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
-                f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
-                "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
-                "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
-                "step, or give offload= more bytes.",
-            )
+        _warn_refused(self)
         blocks = [bp for bp in self.step if bp.keys is not None]
         regions = self.regions
         self.step, self.regions, self._storages, self.occurrences = [], [], {}, {}
@@ -231,7 +219,7 @@ class Run:
         known = self.results.get(structure)
         if known is not None and all(bp.known for bp in blocks) and all(r.matches() for r in regions):
             self.result = known  # M8 [ the figures of the last step's plan ]
-            self._to_agree(blocks, regions, structure, False)
+            _to_agree(self, blocks, regions, structure, False)
             return
         for bp in blocks:
             key = (bp.site, bp.occurrence, bp.keys)
@@ -247,35 +235,57 @@ class Run:
                 self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
-        self._to_agree(blocks, regions, structure, True)
-
-    def _to_agree(self, blocks: list[BlockPlan], regions: list[Region], structure: Hashable, planned: bool) -> None:
-        """A2 [ agreed where every rank is ]: in a distributed run, an ended step with a
-        shared block is agreed at the next block or forward entry."""
-        if _agree.world() is None:
-            return
-        found = [self.digests.get((bp.site, bp.keys)) for bp in blocks]
-        digests = [_agree.site_digest(bp.site, bp.occurrence, f[0] if f else 0) for bp, f in zip(blocks, found)]
-        if any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
-            self.unagreed = (blocks, regions, structure, digests, planned)
-
-    def comm_groups(self, blocks: list[BlockPlan]) -> list[str]:
-        """The process groups the collectives of ``blocks`` run on, sorted (the same list
-        on every rank whose step has the same structure)."""
-        found = {g for bp in blocks if (bp.site, bp.keys) in self.graphs
-                 for g in self.graphs[(bp.site, bp.keys)][1].groups if g is not None}  # fmt: skip
-        return sorted(found)
-
-    def replan(self, blocks: list[BlockPlan], regions: list[Region], structure: Hashable) -> None:
-        """Plan the ended step ``blocks``, ``regions`` again (new rates were measured)."""
-        _plan(self, blocks, regions)
-        self.results[structure] = self.result  # type: ignore[assignment]
+        _to_agree(self, blocks, regions, structure, True)
 
     def warn_once(self, what: str, message: str) -> None:
         """Warn once per budget, at the user's line."""
         if what not in self.warned:
             self.warned.add(what)
             warn_user(message)
+
+
+def _warn_refused(self: Run) -> None:
+    """Offloads the host pool refused in the ended step: one warning."""
+    refused = self.engine.take_refused() if self.engine is not None else 0
+    if refused:
+        host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
+        self.warn_once(
+            "refused",
+            f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
+            f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
+            "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
+            "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
+            "step, or give offload= more bytes.",
+        )
+
+
+def _to_agree(self: Run, blocks: list[BlockPlan], regions: list[Region], structure: Hashable, planned: bool) -> None:
+    """A2 [ agreed where every rank is ]: in a distributed run, an ended step with a shared
+    block is agreed at the next block or forward entry."""
+    if _agree.world() is None:
+        return
+    found = [self.digests.get((bp.site, bp.keys)) for bp in blocks]
+    if not any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
+        return
+    digests = [_agree.site_digest(bp.site, bp.occurrence, f[0] if f else 0) for bp, f in zip(blocks, found)]
+    # the process groups of the blocks' collectives, sorted: the same on every rank whose
+    # step has this structure
+    groups = sorted({g for bp in blocks if (bp.site, bp.keys) in self.graphs
+                     for g in self.graphs[(bp.site, bp.keys)][1].groups if g is not None})  # fmt: skip
+
+    def replan() -> None:  # (new rates were measured)
+        _plan(self, blocks, regions)
+        self.results[structure] = self.result  # type: ignore[assignment]
+
+    self.unagreed = (blocks, regions, structure, digests, planned, groups, replan)
+
+
+def _agree_pending(self: Run) -> None:
+    """A2 [ agreed where every rank is ]: every rank enters here, at a step's first block or
+    forward."""
+    pending, self.unagreed = self.unagreed, None
+    if pending is not None:
+        _agree.agree(self, *pending)
 
 
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:

@@ -180,6 +180,8 @@ def _worker(rank, port, outdir):
             results[f"{layout}_mismatch"] = _guarded(_mismatch, rank, layout)
         results["ddp_mismatch"] = _guarded(_local_mismatch, rank)
         results["comm"] = _guarded(_comm_rates, rank)
+        results["recipe"] = _guarded(_recipe, rank)
+        results["sp_collectives"] = _guarded(_sp_collectives, rank)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -210,6 +212,94 @@ def _comm_rates(rank):
     first = rates.comm_rates(name)
     rates.measure_comm([name])  # measured already: no collective (a rank alone would hang)
     return {"rates": first, "again": rates.comm_rates(name)}
+
+
+def _recipe_code():
+    import re
+
+    with open(os.path.join(ROOT, "docs", "recipes.md"), encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("## FSDP2 + TP + compile with scopes\n")
+    end = text.find("\n## ", start + 1)
+    return re.search(r"```python\n(.*?)```", text[start:end], re.DOTALL).group(1)
+
+
+def _recipe(rank):
+    """The docs' recipe as written: dp=1, tp=2, compiled with aot_eager; plain, scoped,
+    and scoped under a budget (each rank its own)."""
+    from gradient_scope import Budget
+
+    import types
+
+    module = sys.modules["gs_tp_recipe"] = types.ModuleType("gs_tp_recipe")  # (dynamo imports it)
+    exec(compile(_recipe_code(), "docs/recipes.md", "exec"), module.__dict__)
+    ns = module.__dict__
+    out = {}
+    for name in ("plain", "scoped", "budget"):
+        torch._dynamo.reset()
+        budget = Budget(0 if rank == 0 else 10**9) if name == "budget" else None
+        model = ns["build"](1, 2, scoped=name != "plain", budget=budget, backend="aot_eager")
+        out[name] = ns["train"](model, dp_rank=0)
+    return out
+
+
+def _sp_collectives(rank):
+    """Collectives per forward and per backward (the backend's ``gloo:`` profiler events) of
+    3 pre-norm MLP blocks under TP + sequence parallelism (``SequenceParallel`` norm,
+    fc1 colwise from a sequence-sharded input: an all-gather per block in forward), plain,
+    under torch's checkpoint per block, and with a scope per block."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from torch.profiler import ProfilerActivity, profile
+
+    from gradient_scope import apply_recompute
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(DIM)
+            self.fc1 = nn.Linear(DIM, 4 * DIM)
+            self.fc2 = nn.Linear(4 * DIM, DIM)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    def count(fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, sum(1 for e in prof.events() if e.name.startswith("gloo:"))
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for strategy in ("plain", "checkpoint", "scoped"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block() for _ in range(3)])
+        plan = {
+            "norm": SequenceParallel(),
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        for block in model:
+            parallelize_module(block, mesh, plan)
+        if strategy == "checkpoint":
+            for i in range(len(model)):
+                model[i] = checkpoint_wrapper(model[i])
+        elif strategy == "scoped":
+            apply_recompute(model, check_fn=Block)
+        x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(0)).chunk(WORLD, dim=1)[rank]
+        loss, forward = count(lambda: model(x.contiguous()).pow(2).sum())
+        _, backward = count(loss.backward)
+        out[strategy] = (forward, backward, [_full(p.grad).clone() for p in model.parameters()])
+    return out
 
 
 def _main(port, outdir):
@@ -282,6 +372,29 @@ def test_ranks_with_other_structures_raise_instead_of_hanging(ranks, layout):
 def test_ranks_whose_blocks_do_not_communicate_keep_their_own_plans(ranks):
     b0, b1 = (_ok(r["ddp_mismatch"], f"rank {i}") for i, r in enumerate(ranks))
     assert b0["planned_bytes"] < b1["planned_bytes"]  # each its own budget's plan
+
+
+def test_the_fsdp2_tp_compile_recipe_trains_as_plain(ranks):
+    for rank, res in enumerate(ranks):
+        got = _ok(res["recipe"], f"rank {rank}")
+        for name in ("scoped", "budget"):
+            _assert_equal_lists(got[name], got["plain"], f"rank {rank} {name} losses")
+
+
+def test_tp_sp_backward_runs_no_more_collectives_than_checkpoint(ranks):
+    """A scope per block replays what backward needs, each recorded op at most once per
+    pass: a replayed all-gather is reused where the weight gradient needs the same value,
+    so a backward runs at most one all-gather per block more than plain TP, and never more
+    collectives than torch's checkpoint (which reruns each block's forward, all-gathers
+    included)."""
+    for rank, res in enumerate(ranks):
+        got = _ok(res["sp_collectives"], f"rank {rank}")
+        (pf, pb, pg), (cf, cb, _), (sf, sb, sg) = got["plain"], got["checkpoint"], got["scoped"]
+        print(f"rank {rank}: forward/backward collectives plain {pf}/{pb}, checkpoint {cf}/{cb}, scoped {sf}/{sb}")
+        assert sf == pf == cf, (pf, cf, sf)
+        assert cb > pb, "checkpoint reruns the blocks' all-gathers"
+        assert pb <= sb <= cb and sb - pb <= 3, (pb, sb, cb)
+        _assert_equal_lists(sg, pg, f"rank {rank} scoped grads")
 
 
 def test_process_group_collectives_are_measured_once(ranks):
