@@ -227,9 +227,9 @@ def _recipe_code():
 def _recipe(rank):
     """The docs' recipe as written: dp=1, tp=2, compiled with aot_eager; plain, scoped,
     and scoped under a budget (each rank its own)."""
-    from gradient_scope import Budget
-
     import types
+
+    from gradient_scope import Budget
 
     module = sys.modules["gs_tp_recipe"] = types.ModuleType("gs_tp_recipe")  # (dynamo imports it)
     exec(compile(_recipe_code(), "docs/recipes.md", "exec"), module.__dict__)
