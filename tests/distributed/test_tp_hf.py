@@ -8,7 +8,7 @@ head stay replicated. ``gradient_scope.integrations.transformers.enable`` (a sco
 decoder layer) against the same model without it: losses, gradients and parameters
 ``torch.equal`` over two SGD steps on both ranks, and what autograd keeps after forward,
 counted by local storage (``support.tp.StorageWatch``; parameters, ids and loss left
-out), is below plain TP's.
+out), is at most 0.3x plain TP's.
 
 One subprocess (bounded by a timeout) spawns the ranks; they ``torch.save`` results.
 """
@@ -162,7 +162,9 @@ def test_hf_enable_on_a_tp_llama_holds_less_than_plain_tp(ranks):
         plain, scoped = _ok(res[False], f"rank {rank} plain"), _ok(res[True], f"rank {rank} enabled")
         print(f"rank {rank}: held after forward, plain TP {plain['held']}, enabled {scoped['held']}")
         for step in range(STEPS):
-            assert scoped["held"][step] < plain["held"][step], (step, scoped["held"], plain["held"])
+            # 0.26x here; 0.77x while TP's from_local / redistribute / collectives were no
+            # block operations (the layers kept the DTensors TP built as inputs)
+            assert scoped["held"][step] <= 0.3 * plain["held"][step], (step, scoped["held"], plain["held"])
 
 
 if __name__ == "__main__":
