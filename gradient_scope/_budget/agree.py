@@ -1,6 +1,6 @@
 """Plans agreed across ranks: every rank of a process group runs the same plan.
 
-RULES A1..A4: how the ranks of a distributed program agree on a budget's plan.
+RULES A1..A5: how the ranks of a distributed program agree on a budget's plan.
 
 A1. [ a shared block needs one plan ] A block is *shared* when its replay may issue a
     collective: it recorded a collective op, read a DTensor (TP: its ops redistribute),

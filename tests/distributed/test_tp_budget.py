@@ -1,4 +1,4 @@
-"""Budgets across ranks (``gradient_scope._budget.agree`` A1..A4): every rank of a process
+"""Budgets across ranks (``gradient_scope._budget.agree`` A1..A5): every rank of a process
 group runs the same plan, 2 gloo processes on 127.0.0.1 (CPU).
 
 * Ranks that disagree -- another ``Budget`` per rank, and other measured rates (rank 1's
@@ -8,9 +8,10 @@ group runs the same plan, 2 gloo processes on 127.0.0.1 (CPU).
   parameters are ``torch.equal`` to the same model without scopes, over three optimizer
   steps (the first measures, the others are planned). Under FSDP2 (its all-gathers run in
   replays) and under tensor parallelism (``parallelize_module``, DTensor blocks).
-* Ranks whose scoped block structures differ (rank 1 runs another sequence length) under a
-  budget whose blocks communicate: both raise the same ``RuntimeError`` at the next step,
-  none waits for the other.
+* Ranks whose scoped block structures differ (rank 1 runs another sequence length under
+  FSDP2, scopes two layers of three under TP) under a budget whose blocks communicate: both
+  raise the same ``RuntimeError`` at the end of the first forward (A5), before a backward
+  whose replays (TP collectives) would differ; none waits for the other.
 * A DDP-style program (no block communicates) whose ranks run other structures keeps each
   rank's own plan and trains.
 
