@@ -20,10 +20,11 @@ For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face mod
   plain (interleaved rounds), and for budgets the CPU time spent in the budget's own code
   per step (the calls scopes make to it: decisions, structure checks, planning);
 * per budget, the predicted step of the blocks (``Budget.predicted_step_time``: their
-  compute, the library's own cost per op, recompute) against the measured one: the
-  budget's step less the code outside the layers (plain, each layer passing its input
-  through), each the least CPU time of a few steps (the calibration behind the
-  prediction counts CPU time too: on a shared machine wall time counts other programs).
+  forward and backward as timed in the budget's measuring step, plus the plan's recompute
+  scaled to that step's replays) against the measured one: the budget's step less the
+  code outside the layers (plain, each layer passing its input through), each the least
+  CPU time of a few steps (the budget's timing takes the lesser of wall and CPU time too:
+  on a shared machine wall time counts other programs).
 
 With ``--offload``: ``save_on_cpu`` (torch's offloader), ``offload_all`` (every saved
 tensor through the library's offload engine, nothing recomputed), and ``budget@N+offload``
@@ -209,7 +210,9 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
         if r.budget is not None:
             m.update(budget=r.budget.bytes, planned=r.budget.planned_bytes, predicted=r.budget.predicted_recompute,
                      offloaded=r.budget.offloaded_bytes, predicted_step_s=r.budget.predicted_step_time,
-                     predicted_library_s=r.budget._run.result.library, cpu_step_s=cpu_step(r))
+                     predicted_library_s=r.budget._run.result.library, timed=r.budget._run.result.timed,
+                     measured_blocks_s=r.budget._run.result.measured, replay_scale=r.budget._run.result.scale,
+                     cpu_step_s=cpu_step(r))
             m.update(own_time(c, r.budget.bytes) or {})
         log(f"  {name:20s} held {fmt_mib(m['held']):>8} peak {fmt_mib(m['peak']):>8} recompute "
             f"{m['recompute_flops'] / 1e9:.3f} GFLOP bitwise {m['bitwise']}"
@@ -357,8 +360,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{res['planning_s'] * 1e3:.1f} ms", "",
             md_table(["strategy", "budget MiB", "held MiB", "peak MiB", "recompute GFLOP", "time vs plain",
                       "budget code", "predicted / measured step", "bitwise"], rows), "",
-            "predicted / measured step: `Budget.predicted_step_time` (the blocks: compute, the library's own "
-            "cost per op, recompute) against the budget's step less the code outside the layers "
+            "predicted / measured step: `Budget.predicted_step_time` (the blocks' forward and backward as timed "
+            "in the budget's measuring step, plus the plan's recompute scaled to that step's replays) against "
+            "the budget's step less the code outside the layers "
             f"({res['outside_s'] * 1e3:.1f} ms: plain with every layer passing its input through), each the "
             "least CPU time of 7 steps.",
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import astuple
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from .planner import BlockGraph
 from .rates import rates_for
 from .region import Region, RegionPlan, tensors_in
 from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
+from .timing import Timing
 
 # a region's entry pushes the pair, then opens the region
 # (I8 [ the main thread's pair, removed later ])
@@ -73,6 +75,8 @@ class Run:
         self.warned: set[str] = set()
         # (site, occurrence, structure) -> (free groups, inputs, rng) last measured
         self.seen: dict[tuple[Hashable, int, Any], _Seen] = {}
+        # (site, occurrence, structure) -> its seconds, as last measured (``_budget.timing``)
+        self.timings: dict[tuple[Hashable, int, Any], Timing | None] = {}
         # the plan of the last step's structure (M8 [ the figures of the last step's plan ])
         self.result: StepPlan | None = None
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
@@ -233,6 +237,8 @@ class Run:
                 bp.views = {-1 - p for p in views}
             else:
                 self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
+                self.timings[key] = bp.watch.timing() if bp.watch is not None else None
+            _stop_watch(bp)
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
 
@@ -243,9 +249,34 @@ class Run:
             warn_user(message)
 
 
+def _fastest(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
+    """Per structure (signature), the least of each of the seconds its blocks of the step
+    were last measured at (N5 [ predicted seconds and peak ]): blocks of one structure run the
+    same ops on the same shapes, and the first of them pays what runs once per process
+    (caches filled, the replay's program made). A structure with a block not timed has
+    none."""
+    out: dict[Any, Timing | None] = {}
+    for bp in blocks:
+        t = self.timings.get((bp.site, bp.occurrence, bp.keys))
+        if bp.keys in out:
+            b = out[bp.keys]
+            t = None if b is None or t is None else Timing(*map(min, zip(astuple(b), astuple(t))))
+        out[bp.keys] = t
+    return {k: t for k, t in out.items() if t is not None}
+
+
+def _stop_watch(bp: BlockPlan) -> None:
+    """The block's measuring step is over: its replay state times no more unpacks."""
+    state = bp.state()
+    if state is not None and state.timer is bp.watch:
+        state.timer = None
+    bp.watch = None
+
+
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
     """M4 [ an ended step is planned ]: plan every block and region of a finished step."""
     seen = []
+    fastest = _fastest(self, blocks)
     for bp in blocks:
         g, m = self.graphs[(bp.site, bp.keys)]
         label = f"{where(bp.site)}#{bp.occurrence}"
@@ -256,7 +287,7 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
             self.wheres[(bp.site, bp.keys)] = dict(bp.where)
         wheres = self.wheres.get((bp.site, bp.keys), {})
         seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng,
-                              set(bp.views), wheres))  # fmt: skip
+                              set(bp.views), wheres, fastest.get(bp.keys)))  # fmt: skip
     saves: list[SaveSeen] = [s for r in regions for s in r.saves]
     exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
     device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")

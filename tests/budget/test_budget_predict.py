@@ -1,0 +1,152 @@
+"""A budget's predicted step is anchored to its measuring step (rule N5 in ``_budget.step``,
+``_budget.timing``): each block's forward and backward as timed there, less the measuring's
+own code and the replays, plus the plan's recompute scaled to what that step's replays took.
+Where the figures are compared exactly, the timings are pinned; how close the prediction
+comes to a measured step is the budget benchmark's to say (``python -m benchmarks.budget``).
+"""
+
+import itertools
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gradient_scope import Budget, apply_recompute
+from gradient_scope._budget import block as block_module
+from gradient_scope._budget.planner import recompute_cost
+from gradient_scope._budget.timing import Stopwatch, Timing
+
+from support import PINNED_RATES, pinned_cpu_rates
+from support import ResidualMLP as Block
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*Budget\(0 B\) is below the floor")
+
+
+def make_model(layers=3, d=32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d) for _ in range(layers)], nn.LayerNorm(d), nn.Linear(d, 8))
+
+
+def planned(nbytes, model=None):
+    """A budget of ``nbytes`` over the Blocks of ``model``, planned on one step at the pinned
+    rates; and its model."""
+    model = model if model is not None else make_model()
+    budget = Budget(nbytes)
+    apply_recompute(model, check_fn=lambda m: isinstance(m, Block), budget=budget)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pinned_cpu_rates():
+        budget.plan(lambda: model(x).square().sum().backward())
+    return budget, model
+
+
+@pytest.fixture
+def pinned_timings(monkeypatch):
+    """The measuring step's blocks, in order, timed at ``Timing(1 + k, 0.5 + k, 0.25 + k)``
+    seconds (k = 0, 1, ...)."""
+    counter = itertools.count()
+
+    def timing(self):
+        k = next(counter)
+        return Timing(1.0 + k, 0.5 + k, 0.25 + k)
+
+    monkeypatch.setattr(Stopwatch, "timing", timing)
+
+
+def test_the_measuring_step_times_each_block():
+    budget, _ = planned("64MiB")
+    r = budget._run.result
+    timings = list(budget._run.timings.values())
+    assert r.timed and len(timings) == 3
+    assert all(t is not None and t.forward > 0 and t.backward > 0 and t.replay > 0 for t in timings)
+    assert r.measured > 0 and r.scale > 0
+
+
+def test_step_is_the_measured_blocks_plus_the_scaled_recompute(pinned_timings):
+    """Three blocks of one structure count as the fastest (1 s forward, 0.5 s backward,
+    0.25 s replay) each; one modelled second of recompute costs the measured replays over
+    the modelled seconds of replaying every saved value."""
+    budget, _ = planned(0)
+    r = budget._run.result
+    assert r.timed and r.measured == pytest.approx(3 * 1.5)
+    full = sum(recompute_cost(bs.graph, set()) for bs in r.seen)
+    assert r.scale == pytest.approx(3 * 0.25 / full)
+    assert r.recompute > 0 and budget.predicted_recompute == r.recompute
+    assert budget.predicted_step_time == pytest.approx(r.measured + r.recompute + r.transfer)
+    for point in budget.curve().points:  # the same anchor at every budget
+        assert point.step == pytest.approx(r.measured + point.recompute + point.transfer)
+
+
+def test_recompute_is_the_modelled_one_scaled(pinned_timings, monkeypatch):
+    budget, _ = planned(0)
+    r = budget._run.result
+    monkeypatch.setattr(Stopwatch, "timing", lambda self: None)  # not timed: the modelled figures
+    bare, _ = planned(0)
+    b = bare._run.result
+    assert not b.timed and b.scale == 1.0
+    assert r.recompute == pytest.approx(r.scale * b.recompute)
+    assert b.step == pytest.approx(b.compute + b.library + b.recompute - b.replayed * PINNED_RATES.replay)
+
+
+def test_blocks_of_another_structure_count_on_their_own(pinned_timings):
+    """A block in eval mode (no dropout) has another signature: it counts its own timing."""
+    model = make_model()
+    model[2].eval()
+    budget, _ = planned("64MiB", model)
+    r = budget._run.result
+    assert r.measured == pytest.approx(2 * 1.5 + (3.0 + 2.5))
+
+
+def test_keeping_everything_predicts_the_measured_blocks(pinned_timings):
+    budget, _ = planned("64MiB")
+    r = budget._run.result
+    assert r.recompute == 0 and r.transfer == 0
+    assert budget.predicted_step_time == pytest.approx(3 * 1.5)
+
+
+def test_the_measuring_code_is_not_counted(monkeypatch):
+    """Where each save ran is read in the measuring step only: its time is not the block's
+    forward (here made to cost 20 ms of CPU per save)."""
+    real = block_module.running_module_path
+
+    def slow():
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+        return real()
+
+    monkeypatch.setattr(block_module, "running_module_path", slow)
+    seen = []
+    close = Stopwatch.close
+
+    def closing(self):
+        close(self)
+        seen.append(self)
+
+    monkeypatch.setattr(Stopwatch, "close", closing)
+    budget, _ = planned("64MiB")
+    saves = min(len(bs.where) for bs in budget._run.result.seen)  # saves of each block that read it
+    assert len(seen) == 3 and saves >= 3
+    for watch in seen:
+        assert watch.own[1] >= 0.02 * saves
+        assert watch.timing().forward < 0.02 * saves
+
+
+def test_only_the_measuring_step_is_timed():
+    """The measuring step's replay states time their unpacks until that step is planned;
+    a planned step's blocks carry no stopwatch (on CPU its marks cost two clock reads at
+    the block's entry)."""
+    model = make_model()
+    budget = Budget("64MiB")
+    apply_recompute(model, check_fn=lambda m: isinstance(m, Block), budget=budget)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pinned_cpu_rates():
+        loss = model(x).square().sum()
+        states = [bp.state() for bp in budget._run.step]
+        assert all(s.timer is bp.watch is not None for s, bp in zip(states, budget._run.step))
+        loss.backward()
+        assert budget.floor_bytes is not None  # the step ends: planned
+        assert all(s.timer is None for s in states)
+        loss = model(x).square().sum()
+        assert all(bp.known and bp.watch is None and bp.state().timer is None for bp in budget._run.step)
+        loss.backward()
