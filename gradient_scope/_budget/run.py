@@ -33,7 +33,8 @@ __all__ = ["Run"]
 
 Tensor = torch.Tensor
 Place = tuple[int, int]
-_Seen = tuple[dict[Place, int], dict[int, int], frozenset[int], set[int]]  # free, inputs, rng, views
+# free, inputs, rng, views, and its seconds (``_budget.timing``)
+_Seen = tuple[dict[Place, int], dict[int, int], frozenset[int], set[int], Timing | None]
 
 
 def where(site: Hashable) -> str:
@@ -73,10 +74,8 @@ class Run:
         self.pending: dict[int, tuple[list[Tensor], Hashable]] = {}
         self.to_evict: list[int] = []
         self.warned: set[str] = set()
-        # (site, occurrence, structure) -> (free groups, inputs, rng) last measured
+        # (site, occurrence, structure) -> (free groups, inputs, rng, views, seconds) last measured
         self.seen: dict[tuple[Hashable, int, Any], _Seen] = {}
-        # (site, occurrence, structure) -> its seconds, as last measured (``_budget.timing``)
-        self.timings: dict[tuple[Hashable, int, Any], Timing | None] = {}
         # the plan of the last step's structure (M8 [ the figures of the last step's plan ])
         self.result: StepPlan | None = None
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
@@ -230,15 +229,13 @@ class Run:
             if bp.known and key in self.seen:
                 # Planned in this step, so not measured: what its last measured step saw
                 # (addresses of then, negated: they never match now's).
-                free, inputs, rng, views = self.seen[key]
+                free, inputs, rng, views, _ = self.seen[key]
                 bp.free = {g: -1 - p for g, p in free.items()}
                 bp.inputs = {-1 - p: n for p, n in inputs.items()}
                 bp.rng = frozenset(-1 - p for p in rng)
                 bp.views = {-1 - p for p in views}
             else:
-                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
-                self.timings[key] = bp.watch.timing() if bp.watch is not None else None
-            _stop_watch(bp)
+                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views), _stop_watch(bp))
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
 
@@ -257,7 +254,8 @@ def _fastest(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
     none."""
     out: dict[Any, Timing | None] = {}
     for bp in blocks:
-        t = self.timings.get((bp.site, bp.occurrence, bp.keys))
+        seen = self.seen.get((bp.site, bp.occurrence, bp.keys))
+        t = seen[4] if seen is not None else None
         if bp.keys in out:
             b = out[bp.keys]
             t = None if b is None or t is None else Timing(*map(min, zip(astuple(b), astuple(t))))
@@ -265,12 +263,14 @@ def _fastest(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
     return {k: t for k, t in out.items() if t is not None}
 
 
-def _stop_watch(bp: BlockPlan) -> None:
-    """The block's measuring step is over: its replay state times no more unpacks."""
+def _stop_watch(bp: BlockPlan) -> Timing | None:
+    """The block's measuring step is over: its seconds; its replay state times no more
+    unpacks."""
+    watch, bp.watch = bp.watch, None
     state = bp.state()
-    if state is not None and state.timer is bp.watch:
+    if state is not None and state.timer is watch:
         state.timer = None
-    bp.watch = None
+    return watch.timing() if watch is not None else None
 
 
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:

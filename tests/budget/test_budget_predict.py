@@ -40,6 +40,11 @@ def planned(nbytes, model=None):
     return budget, model
 
 
+def timings(budget):
+    """(site, occurrence, structure) -> the seconds its measuring step was timed at."""
+    return {key: seen[4] for key, seen in budget._run.seen.items()}
+
+
 @pytest.fixture
 def pinned_timings(monkeypatch):
     """The measuring step's blocks, in order, timed at ``Timing(1 + k, 0.5 + k, 0.25 + k)``
@@ -56,9 +61,9 @@ def pinned_timings(monkeypatch):
 def test_the_measuring_step_times_each_block():
     budget, _ = planned("64MiB")
     r = budget._run.result
-    timings = list(budget._run.timings.values())
-    assert r.timed and len(timings) == 3
-    assert all(t is not None and t.forward > 0 and t.backward > 0 and t.replay > 0 for t in timings)
+    seconds = list(timings(budget).values())
+    assert r.timed and len(seconds) == 3
+    assert all(t is not None and t.forward > 0 and t.backward > 0 and t.replay > 0 for t in seconds)
     assert r.measured > 0 and r.scale > 0
 
 
@@ -150,3 +155,26 @@ def test_only_the_measuring_step_is_timed():
         loss = model(x).square().sum()
         assert all(bp.known and bp.watch is None and bp.state().timer is None for bp in budget._run.step)
         loss.backward()
+
+
+class AddOne(nn.Module):
+    def forward(self, x):
+        return x + 1  # saves nothing
+
+
+def test_a_block_that_saves_nothing_is_timed_without_backward(pinned_timings, monkeypatch):
+    """Backward never unpacks such a block (nothing after it saves its output either): its
+    forward counts, and no backward or replay."""
+    monkeypatch.undo()  # the real stopwatch
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32), AddOne())
+    budget = Budget("64MiB")
+    apply_recompute(model, check_fn=lambda m: isinstance(m, (Block, AddOne)), budget=budget)
+    x = torch.randn(16, 32, requires_grad=True)
+    with pinned_cpu_rates():
+        budget.plan(lambda: model(x).sum().backward())
+    r = budget._run.result
+    seconds = {"AddOne" in str(site): t for (site, _, _), t in timings(budget).items()}
+    assert r.timed and len(seconds) == 2
+    assert seconds[True].backward == seconds[True].replay == 0 and seconds[True].forward > 0
+    assert seconds[False].replay > 0
