@@ -1,6 +1,7 @@
 """Host cost per layer: what each strategy adds to plain's forward and fwd+bwd, per layer, on CPU.
 
     python -m benchmarks.host_cost [--rounds N] [--inner N] [--dtype bfloat16] [--quick]
+    python -m benchmarks.host_cost --lengths 30 [--steps 60] [--layers 16] [--cache] [--rounds N]
 
 On a GPU a scoped forward is host-bound (docs NOTES, fourth round): the Python work per
 op takes longer than the kernels. That work is measured here, on a CPU, with tensors so
@@ -25,12 +26,26 @@ branches on ``torch.compiler.is_compiling()`` takes its compiled branch; Hugging
 MoE experts do, in float32, a per-expert loop of matmuls behind a custom op, where eager
 calls one grouped matmul). ``--dtype bfloat16`` is the dtype the GPU runs use, where both
 branches of those experts are the same grouped matmul.
+
+Whole runs (``--lengths N``, ``--cache``): where users train, a model is not called at one
+length: batches padded to their longest row come at a new length every few steps, and a
+config as shipped (``use_cache=True``) makes a KV cache in a training forward that each layer
+writes to. Each strategy trains a fresh Llama (``--layers``, size ``host``) for ``--steps``
+steps, each in a fresh process (so the steady state's captures are counted, as a user's run
+pays them), at lengths taken from N (each length of a seeded permutation in turn; one length
+when N is 1), with the cache on under ``--cache``. Reported per strategy, the median over
+rounds of: the whole run's seconds, and the median step of a length seen before (for the
+steady state: a step that binds every layer from its template), with its extra time per layer
+over plain's. Results: ``benchmarks/results/cpu-host-lengths<N>[-cache]/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -39,12 +54,12 @@ import torch
 
 from ._harness.machine import machine_info, mark_end
 from ._harness.report import Targets, header_lines, make_log, md_table, results_dir, sections, write_results
-from ._harness.strategies import AA, DESCRIPTIONS, OpCounter
+from ._harness.strategies import AA, DESCRIPTIONS, OpCounter, apply_strategy
 from ._harness.suite import Case, run_strategies
 from ._harness.timing import quartiles
 from .hf_zoo import build, preload
 
-__all__ = ["MODELS", "STRATEGIES", "count_ops", "per_layer", "main"]
+__all__ = ["MODELS", "STRATEGIES", "RUN_STRATEGIES", "count_ops", "per_layer", "run_lengths", "one_run", "main"]
 
 MODELS = ["llama", "mixtral"]
 STRATEGIES = [
@@ -60,6 +75,8 @@ STRATEGIES = [
     "budget50+fast",
     AA,
 ]
+#: whole runs (``--lengths``): the recorded path is the CPU default (``scope_layer``)
+RUN_STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_layer+fast", AA]
 FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
 QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -198,6 +215,100 @@ def to_markdown(results: dict[str, Any]) -> str:
     return "\n".join(out + sections(warnings=warnings))
 
 
+def run_lengths(n: int, steps: int, seed: int) -> list[int]:
+    """The length of each step: ``n`` lengths from 16 on, each of a seeded permutation in turn."""
+    lengths = list(range(16, 16 + n))
+    random.Random(seed).shuffle(lengths)
+    return [lengths[k % n] for k in range(steps)]
+
+
+def one_run(strategy: str, layers: int, cache: bool, lengths: list[int], seed: int) -> dict[str, Any]:
+    """One whole run of ``strategy`` on a fresh Llama: each step's seconds."""
+    torch.set_num_threads(1)
+    built = build("llama", "host", seed, layers=layers)
+    c = built.case("llama")
+    model = c.model
+    model.config.use_cache = cache
+    apply_strategy(model, strategy, c.layers, c.parts)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = built.config.get("vocab", 128)
+    times = []
+    for length in lengths:
+        ids = torch.randint(3, vocab, (1, length), generator=gen)
+        torch.manual_seed(seed)
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    return {"times_s": times}
+
+
+def _run_in_process(order: list[str], layers: int, cache: bool, lengths: list[int], seed: int) -> dict[str, Any]:
+    """One round: a fresh process runs each strategy of ``order`` once (only the steady state
+    captures: its run pays every capture, as a user's first run does)."""
+    spec = json.dumps({"order": order, "layers": layers, "cache": cache, "lengths": lengths, "seed": seed})
+    done = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", spec],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _seen_steps(lengths: list[int], times: list[float]) -> list[float]:
+    return [t for k, (n, t) in enumerate(zip(lengths, times)) if n in lengths[:k]]
+
+
+def runs(a: argparse.Namespace, log: Any) -> dict[str, Any]:
+    """Whole runs of ``RUN_STRATEGIES`` (order rotated per round), each in its own process."""
+    lengths = run_lengths(a.lengths, a.steps, a.seed)
+    per: dict[str, list[dict[str, Any]]] = {s: [] for s in RUN_STRATEGIES}
+    rounds = a.rounds or 3
+    for r in range(rounds):
+        order = RUN_STRATEGIES[r % len(RUN_STRATEGIES):] + RUN_STRATEGIES[:r % len(RUN_STRATEGIES)]
+        done = _run_in_process(order, a.layers, a.cache, lengths, a.seed)
+        for name in order:
+            per[name].append(done[name])
+            log(f"round {r}: {name} {sum(done[name]['times_s']):.2f} s")
+    out: dict[str, Any] = {}
+    for name, done in per.items():
+        whole = [sum(d["times_s"]) for d in done]
+        seen = [statistics.median(_seen_steps(lengths, d["times_s"])) for d in done]
+        plain = [statistics.median(_seen_steps(lengths, d["times_s"])) for d in per["plain"]]
+        extra = [1e6 * (a_ - b) / a.layers for a_, b in zip(seen, plain)]
+        out[name] = {"whole_s": statistics.median(whole), "whole_per_round_s": whole,
+                     "seen_step_ms": 1e3 * statistics.median(seen), "seen_per_round_ms": [1e3 * x for x in seen],
+                     "extra_us_per_layer": statistics.median(extra), "extra_quartiles": quartiles(extra)}
+    return {"lengths": lengths, "strategies": out, "rounds": rounds}
+
+
+def runs_markdown(results: dict[str, Any]) -> str:
+    """The whole-run table and the two targets, with the A/A row."""
+    s = results["runs"]["strategies"]
+    rows = [[n, f"{v['whole_s']:.2f}", f"{v['seen_step_ms']:.1f}",
+             f"{v['extra_us_per_layer']:+.0f} ({v['extra_quartiles'][0]:+.0f} to {v['extra_quartiles'][1]:+.0f})"]
+            for n, v in s.items()]
+    fast, rec, ck = s["scope_layer+fast"], s["scope_layer"], s["checkpoint"]
+    def met(a: float, b: float) -> str:
+        return f"({a / b:.2f}x): " + ("met" if a <= b else "NOT met")
+
+    targets = [
+        f"- steps of seen lengths, steady state vs checkpoint: {fast['seen_step_ms']:.1f} vs "
+        f"{ck['seen_step_ms']:.1f} ms " + met(fast["seen_step_ms"], ck["seen_step_ms"]),
+        f"- whole run, steady state vs the recorded path: {fast['whole_s']:.2f} vs {rec['whole_s']:.2f} s "
+        + met(fast["whole_s"], rec["whole_s"]),
+        f"- A/A (plain_again vs plain): whole run {s[AA]['whole_s'] / s['plain']['whole_s']:.2f}x, seen step "
+        f"{s[AA]['seen_step_ms'] / s['plain']['seen_step_ms']:.2f}x",
+    ]
+    r = results
+    return "\n".join([
+        *header_lines("# Host cost of whole runs", "benchmarks.host_cost", r, ("transformers",)),
+        f"- Llama (hf_zoo size host) with {r['layers']} layers, batch 1, {r['steps']} steps at {r['n_lengths']} "
+        f"length(s) ({min(r['runs']['lengths'])}-{max(r['runs']['lengths'])}), use_cache={r['cache']}; "
+        f"each run a fresh process, one torch thread; medians over {r['runs']['rounds']} rounds",
+        "- seen step: the median step of a length seen before in the run; extra: (strategy - plain) / layers, "
+        "per round, median (IQR)", "", "## Targets", "", *targets, "", "## Runs", "",
+        md_table(["strategy", "whole run (s)", "seen step (ms)", "seen step: extra us per layer (IQR)"], rows), "",
+    ])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line entry point; returns the results dict."""
     argv = sys.argv[1:] if argv is None else argv
@@ -211,7 +322,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="the models' parameter dtype (default float32; bfloat16 writes to cpu-host-bf16/)")
     p.add_argument("--out", help="output directory (default benchmarks/results/cpu-host[-quick]/)")
+    p.add_argument("--lengths", type=int, help="whole runs at this many lengths (see the module docstring)")
+    p.add_argument("--cache", action="store_true", help="whole runs with the KV cache on (use_cache=True)")
+    p.add_argument("--steps", type=int, default=60, help="steps per whole run (default 60)")
+    p.add_argument("--layers", type=int, default=16, help="layers of the whole runs' Llama (default 16)")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # one whole run, in this process (JSON spec)
     a = p.parse_args(argv)
+    if a.one:
+        spec = json.loads(a.one)
+        print(json.dumps({name: one_run("plain" if name == AA else name, spec["layers"], spec["cache"],
+                                        spec["lengths"], spec["seed"]) for name in spec["order"]}))
+        return {}
+    if a.lengths or a.cache:
+        return _main_runs(a)
     mode = QUICK if a.quick else FULL
     rounds, inner, warmup = a.rounds or mode["rounds"], a.inner or mode["inner"], a.warmup or mode["warmup"]
     torch.set_num_threads(1)
@@ -233,6 +356,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     write_results(out_dir, results, to_markdown(results))
     print("targets\n" + results["targets"].markdown())
     log(f"wrote {out_dir}/results.json and results.md")
+    return results
+
+
+def _main_runs(a: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    log = make_log(t_start)
+    n = a.lengths or 1
+    a.lengths = n
+    out_dir = results_dir(a.out, f"cpu-host-lengths{n}" + ("-cache" if a.cache else ""))
+    preload(["llama"])
+    machine = machine_info("cpu", packages=("transformers",))
+    results: dict[str, Any] = {"argv": sys.argv[1:], "layers": a.layers, "steps": a.steps, "n_lengths": n,
+                               "cache": a.cache, "seed": a.seed, "machine": machine}
+    results["runs"] = runs(a, log)
+    mark_end(machine)
+    results["duration_s"] = time.perf_counter() - t_start
+    md = runs_markdown(results)
+    write_results(out_dir, results, md)
+    print(md)
     return results
 
 

@@ -19,6 +19,11 @@ Q3. [ hooks are guarded ] Dynamo does not guard on a module's empty hook dicts
     flag off (set in our backend, put back when the compiled call returns or the graph first
     runs): each call checks the hook dicts of the modules it traced, and a changed one
     recaptures.
+Q4. [ a recompile budget of our own ] Dynamo counts graphs per code object, and by default a
+    user's ``torch.compile`` of a layer's forward shares that count with our captures of it
+    (8 graphs: a model's 16 layers with a KV cache, or 9 padded lengths, used it up for both).
+    Where torch has ``isolate_recompiles``, our captures keep their graphs in a region of their
+    own with ``RECOMPILE_LIMIT`` graphs per function; past it a call is recorded.
 """
 
 from __future__ import annotations
@@ -143,5 +148,23 @@ def entry(backend: Callable[..., Any]) -> Callable[..., Any]:
         from torch._dynamo.eval_frame import skip_code
 
         skip_code(_trampoline.__code__)
-        found = _entries[backend] = torch.compile(_trampoline, backend=backend, fullgraph=True, dynamic=False)
+        found = _entries[backend] = torch.compile(
+            _trampoline, backend=backend, fullgraph=True, dynamic=False, **_own_region()
+        )
     return found
+
+
+#: Q4 [ a recompile budget of our own ]: graphs one function may have in our captures (a
+#: graph per length of padded batches, or per layer where a KV cache indexes its layer)
+RECOMPILE_LIMIT = 64
+
+
+def _own_region() -> dict[str, Any]:
+    """Q4: the arguments that give our captures their own recompile budget, apart from the
+    user's ``torch.compile`` of the same code (where this torch has them, as 2.13 does)."""
+    import inspect
+
+    params = inspect.signature(torch.compile).parameters
+    if "isolate_recompiles" in params and "recompile_limit" in params:
+        return {"isolate_recompiles": True, "recompile_limit": RECOMPILE_LIMIT}
+    return {}

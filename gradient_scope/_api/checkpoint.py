@@ -5,30 +5,40 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.nn as nn
 from torch.utils.checkpoint import noop_context_fn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._base.errors import check_bool
 from .._base.feedback import closest, unknown_options
-from .._base.stats import ScopeStats
+from .._base.stats import ScopeStats, compiled_sink
 from .._budget.budget import Budget
-from .scope import counting_into, recompute_scope, run_in_scope
+from .scope import counting_into, recompute_scope, run_in_scope, traced_scope
 
-__all__ = ["checkpoint", "checkpoint_stats", "reset_checkpoint_stats"]
+__all__ = ["checkpoint", "checkpoint_stats", "checkpoint_compiled", "reset_checkpoint_stats"]
 
 # The counters of the scopes checkpoint ran for each module (read by model_stats).
 _stats: weakref.WeakKeyDictionary[nn.Module, ScopeStats] = weakref.WeakKeyDictionary()
+# What the compiled graphs of checkpoint(module, ...) hold, by the module's first weight
+# and its number of weights (a parent whose weights are all one child's has the same
+# entry: model_stats gives it to the deepest of them), with the key compiled code passes
+# to the compile adapter (``_base.stats.compiled_sink``, which holds the stats weakly).
+_compiled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> {count: (stats, key)}
 
 
 def _owner(function: Any) -> nn.Module | None:
     if isinstance(function, nn.Module):
         return function
-    owner = getattr(function, "__self__", None)
+    # ``isinstance`` and ``.__self__``, not ``getattr(function, "__self__", None)``: dynamo
+    # traces this while it compiles, and its getattr with a default misses a method's self.
+    owner = function.__self__ if isinstance(function, types.MethodType) else None
     return owner if isinstance(owner, nn.Module) else None
 
 
@@ -48,6 +58,33 @@ def _module_of(function: Any) -> nn.Module | None:
 def checkpoint_stats(module: nn.Module) -> ScopeStats | None:
     """The summed counters of the scopes :func:`checkpoint` ran for ``module``, or None."""
     return _stats.get(module)
+
+
+def checkpoint_compiled(module: nn.Module) -> ScopeStats | None:
+    """What the compiled graphs of :func:`checkpoint` calls of ``module`` hold (once per
+    graph compiled), or None: never called in compiled code, or ``module`` has no weights."""
+    weights = list(module.parameters())
+    entries: dict[int, tuple[ScopeStats, int]] = _compiled.get(weights[0], {}) if weights else {}
+    found = entries.get(len(weights))
+    return found[0] if found is not None and found[0] != ScopeStats() else None
+
+
+def _compiled_sink(first: torch.Tensor, count: int) -> int:
+    """The key under which compiled scopes of the module whose first weight is ``first``
+    (of ``count``) count. Dynamo runs it for real while it traces
+    (``assume_constant_result``): it takes the real tensor of a graph input without a
+    guard, so a graph compiled for one module serves the others as before (its figures
+    are the module's that compiled it); a guard on the module itself would compile
+    once per module."""
+    entries: dict[int, tuple[ScopeStats, int]] = _compiled.setdefault(first, {})
+    found = entries.get(count)
+    if found is None:
+        stats = ScopeStats()
+        found = entries[count] = (stats, compiled_sink(stats))
+    return found[1]
+
+
+_compiled_sink = torch._dynamo.assume_constant_result(_compiled_sink)
 
 
 def reset_checkpoint_stats(module: nn.Module) -> None:
@@ -197,12 +234,17 @@ def checkpoint(
     check_bool("gradient_scope.checkpoint", "early_stop", early_stop)
     if respect_saved_tensors_hooks is not None:
         check_bool("gradient_scope.checkpoint", "respect_saved_tensors_hooks", respect_saved_tensors_hooks)
-    scope = (
-        recompute_scope(preserve_rng_state=preserve_rng_state)
-        if budget is None
-        else recompute_scope(preserve_rng_state=preserve_rng_state, budget=budget)
-    )
-    if type(scope) is recompute_scope:  # (while dynamo traces, the compiled graph's annotation)
+    options: dict[str, Any] = {"preserve_rng_state": preserve_rng_state}
+    if budget is not None:
+        options["budget"] = budget
+    scope = None
+    if torch.compiler.is_compiling():  # the compiled graph's annotation, counting for the module
+        module = _module_of(function)
+        weights = list(module.parameters()) if module is not None else []
+        scope = traced_scope(options, _compiled_sink(weights[0], len(weights))) if weights else None
+    if scope is None:
+        scope = recompute_scope(**options)
+    if type(scope) is recompute_scope:
         caller = sys._getframe(1)
         scope._at(
             (caller.f_code.co_filename, caller.f_lineno, f"gradient_scope.checkpoint({_function_name(function)})")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 import torch.nn as nn
 
 from .._base.stats import ScopeStats
-from .checkpoint import checkpoint_stats, reset_checkpoint_stats
+from .checkpoint import checkpoint_compiled, checkpoint_stats, reset_checkpoint_stats
 from .helpers import reset_scoped_forward_stats, scoped_forward_compiled, scoped_forward_stats
 
 __all__ = ["ModelStats", "model_stats"]
@@ -37,7 +37,8 @@ class ModelStats(ScopeStats):
 
     #: module path (from the model; ``""`` for the model itself) -> its scopes' counters
     modules: dict[str, ScopeStats] = field(default_factory=dict)
-    #: module path -> what the compiled graphs of its scopes hold, once per graph compiled:
+    #: module path -> what the compiled graphs of its scopes (``apply_recompute``'s, and
+    #: ``checkpoint(module, ...)`` calls in compiled code) hold, once per graph compiled:
     #: ``ops_recorded``, the block's ops in the compiled forward graphs; ``tensors_packed`` /
     #: ``bytes_packed``, the block tensors the compiled backward recomputes instead of saving.
     #: Scopes in compiled graphs count nothing per call (no Python runs per op there): the
@@ -120,7 +121,9 @@ def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
     Counts the scopes that :func:`apply_recompute` runs for each module it
     wrapped (since that call), and those that :func:`checkpoint` runs for a
     module (called as ``checkpoint(module, ...)``, a bound method of it, or a
-    ``functools.partial`` of one, as Hugging Face transformers does). The
+    ``functools.partial`` of one, as Hugging Face transformers does). Scopes
+    in compiled code count nothing per call; ``compiled`` says what their
+    graphs recompute, per module, for both helpers. The
     counters keep counting through backward (``replays``, ``ops_replayed``).
     Reading them costs nothing while the model runs: the scopes of one module
     count into one shared :class:`ScopeStats`.
@@ -160,13 +163,24 @@ def model_stats(model: nn.Module, *, reset: bool = False) -> ModelStats:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_stats: model must be a torch.nn.Module, got {type(model).__name__}")
     total = ModelStats()
+    # A parent whose weights are all one child's shares its entry: the deepest module
+    # (the last in this pre-order walk) is the one checkpoint ran.
+    by_entry = {}
+    for name, module in model.named_modules():
+        entry = checkpoint_compiled(module)
+        if entry is not None:
+            by_entry[id(entry)] = (name, entry)
+    checkpointed = dict(by_entry.values())
     for name, module in model.named_modules():
         found = [s for s in (scoped_forward_stats(module), checkpoint_stats(module)) if s is not None]
-        if not found:
+        graphs = [s for s in (scoped_forward_compiled(module), checkpointed.get(name)) if s is not None]
+        if not found and not graphs:
             continue
-        compiled = scoped_forward_compiled(module)
-        if compiled is not None:
-            total.compiled[name] = ScopeStats(**{n: getattr(compiled, n) for n in _COUNTERS})
+        if graphs:
+            compiled = ScopeStats()
+            for stats in graphs:
+                _add(compiled, stats)
+            total.compiled[name] = compiled
         per_module = ScopeStats()
         for stats in found:
             _add(per_module, stats)

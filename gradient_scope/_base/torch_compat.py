@@ -22,6 +22,7 @@ import importlib
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "TorchDispatchMode",
     "get_alias_info",
     "is_traceable_wrapper_subclass",
+    "dynamo_skips",
     "neg_view",
     "node_sequence_nr",
     "storage_id",
@@ -344,6 +346,23 @@ def is_dynamo_error(e: BaseException) -> bool:
     if exc is None:
         return False
     return isinstance(e, (exc.TorchDynamoException, exc.FailOnRecompileLimitHit))
+
+
+# code -> whether dynamo skips it (weak keys: a code object kept here would keep its function's
+# dynamo cache entries alive)
+_skipped: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def dynamo_skips(fn: Callable[..., Any]) -> bool:
+    """Whether dynamo, asked to compile the frame of function ``fn``, would skip it and run it
+    eagerly: code in its skip files (``torch.nn``'s own modules, such as ``nn.Sequential.forward``;
+    it inlines them only when called from traced code). Relies on
+    ``torch._dynamo.trace_rules.check`` (``is_inlined_call=False``: a frame dynamo is handed)."""
+    code = fn.__code__
+    hit = _skipped.get(code)
+    if hit is None:
+        hit = _skipped[code] = bool(import_detached("torch._dynamo.trace_rules").check(code))
+    return bool(hit)
 
 
 _module_hooks = torch.nn.modules.module

@@ -200,7 +200,7 @@ class Budget:
         >>> from gradient_scope import Budget, apply_recompute
         >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
         ...                         for _ in range(4)))
-        >>> budget = Budget("1MiB")
+        >>> budget = Budget("400KiB")
         >>> _ = apply_recompute(model, check_fn=lambda m: m in list(model), budget=budget)
         >>> x = torch.randn(128, 64, requires_grad=True)
         >>> for step in range(2):

@@ -21,7 +21,9 @@ P2. [ a handle is its tensor as saved ] A handle stands for its tensor as autogr
     save raises PyTorch's own in-place error, as PyTorch does.
 P3. [ values in memory are used ] A value still in memory is used as it is: the tensor
     itself while it lives, or an alias another block holds of it
-    (R5 [ another block's live tensor is noted ] in ``_record.entry``).
+    (R5 [ another block's live tensor is noted ] in ``_record.entry``). A value a replay's plan
+    finds alive is held until the replay has run: its holder (a KV cache in a reference cycle)
+    may be collected in between.
 P4. [ each op at most once per pass ] Within one backward pass each op runs at most
     once: values that other pending handles of the block will ask for (their own values,
     and the values their replays will read) are cached, each entry held by at least one

@@ -184,9 +184,19 @@ def replay(
     st, slots = derived.of(record)
     refs, of = slots.refs, slots.of
 
+    # P3 [ values in memory are used ]: each value the plan reads as alive is held until the replay
+    # has run. An outside holder in a reference cycle (a KV cache) may die in a collection any
+    # allocation starts, between the plan and the load: the plan would not rebuild the value.
+    alive: list[Tensor] = []
+
     def available(s: int) -> bool:
         r = refs[s]  # a Var: a weak reference to its tensor, dead for most values in backward
-        return (r, 0) in cache or (r() is not None and live_value(r) is not None)  # type: ignore[arg-type,operator]
+        if (r, 0) in cache:
+            return True
+        v = live_value(r) if r() is not None else None  # type: ignore[arg-type,operator]
+        if v is not None:
+            alive.append(v)
+        return v is not None
 
     t = of[id(target)]
     program = st.program(st.closure(t, available), t, tuple(of[id(n)] for n, _ in wanted))

@@ -430,8 +430,9 @@ def test_existing_joint_custom_pass_is_chained_and_restored():
         inputs = make_inputs((8, 8), (8, 8), (8, 8))
         run(torch.compile(block_fn(True), backend="aot_eager", fullgraph=True), inputs)
         assert torch._functorch.config.joint_custom_pass is user_pass
-        # The user's pass ran after ours: it saw the block's 4 forward ops tagged.
-        assert seen == [["CheckpointPolicy.MUST_RECOMPUTE"] * 4]
+        # The user's pass ran after ours: it saw the block's 4 forward ops tagged, and the
+        # version record of its inputs that are weights (leaves requiring grad) kept.
+        assert seen == [["CheckpointPolicy.MUST_RECOMPUTE"] * 4 + ["CheckpointPolicy.MUST_SAVE"]]
         torch._dynamo.reset()
         run(torch.compile(block_fn(False), backend="aot_eager", fullgraph=True), inputs)
         assert seen[1] == []  # no scope: the user's pass alone, nothing tagged

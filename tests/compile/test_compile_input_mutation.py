@@ -402,8 +402,9 @@ def test_buffer_the_graph_writes_keeps_working():
 
 
 def test_input_written_after_the_forward_keeps_pytorchs_error():
-    """Only parameters and buffers are checked by the library: another input the block
-    read and that is written after the forward keeps autograd's own error."""
+    """Only weights (parameters, buffers, leaves that require grad) are checked by the
+    library: another input the block read and that is written after the forward keeps
+    autograd's own error."""
 
     def f(x, b):
         with recompute_scope():

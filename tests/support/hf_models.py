@@ -39,3 +39,39 @@ def make_model(kind: str, layers: int, seed: int | None = None):
         )
         return transformers.BertForMaskedLM(cfg)
     raise AssertionError(kind)
+
+
+def tiny_llama(layers: int, use_cache: bool = True):
+    """A Llama of ``layers`` layers (hidden 32, no dropout) in training mode, weights seeded 0;
+    ``use_cache`` as in the config (True: transformers' default)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        use_cache=use_cache,
+        **_COMMON,
+    )
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def users_compile(shapes: int):
+    """The user's own ``torch.compile`` of a small function (``dynamic=False``), called at
+    ``shapes`` shapes, each checked against eager: the graphs its backend received, and the
+    backend (to compile more with)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def user(x):
+        return (x * 2).sin()
+
+    compiled = torch.compile(user, backend=backend, dynamic=False)
+    for n in range(1, shapes + 1):
+        assert torch.equal(compiled(torch.ones(n)), user(torch.ones(n)))
+    return graphs, backend

@@ -3,10 +3,13 @@
 The compiled backward recomputes a block's tensors from the graph's inputs. AOTAutograd
 saves an input the backward reads with ``ctx.save_for_backward``, so a write to it
 after the forward makes autograd's version check raise PyTorch's own in-place
-``RuntimeError`` when the backward unpacks its saved tensors. In a graph with a scope,
-for the parameters and buffers (AOTAutograd's static inputs) that the backward reads
+``RuntimeError`` when the backward unpacks its saved tensors, before any op of the
+backward graph runs. In a graph with a scope, for the weights that the backward reads
 (a block's recomputation, or a backward op, reads them or a view of them), the
 joint-graph pass replaces that check by one that says what happened and what to do.
+Weights: the parameters and buffers (AOTAutograd's static inputs) and the inputs that
+are leaf tensors requiring grad (``b = torch.zeros(8, requires_grad=True)``, a global
+or an argument: trained as parameters are, but not static inputs).
 An optimizer step writes every parameter: all of those the backward reads must be
 checked by the same op, or autograd's check of another one raises first.
 
@@ -17,8 +20,10 @@ checked by the same op, or autograd's check of another one raises first.
    the versions there. Its result is kept on ``ctx`` too (step 2), so saved-tensor
    hooks never see it.
 2. The inputs are marked ``saved_tensor_with_no_vc_check``: AOTAutograd keeps them on
-   ``ctx`` without autograd's version check. They are parameters and buffers, alive
-   anyway: holding them until the graph is freed costs no memory.
+   ``ctx`` without autograd's version check. They are weights, alive anyway (a leaf's
+   AccumulateGrad node holds it): holding them until the graph is freed costs no memory.
+   Other inputs (activations, data) keep autograd's check: held on ``ctx``, they would
+   outlive the backward.
 3. A backward op, ``gradient_scope::check_input_versions``, has a side effect (it is
    never dropped) and reads a tangent (so the partitioner puts it in the backward
    graph, which runs it on every backward call). It compares the versions and raises
@@ -29,7 +34,7 @@ checked by the same op, or autograd's check of another one raises first.
    chosen what to save: besides what the joint graph shows (a block's recomputation, a
    backward op), it may save a parameter to recompute a cheap op outside the blocks
    itself (``gelu(h + bias)``). AOTAutograd's ``_extract_fwd_bwd_modules``, which every
-   partitioner calls with the values it saves, is wrapped: the parameters and buffers
+   partitioner calls with the values it saves, is wrapped: the weights
    (or views of them) among those values join the two ops' lists before the graphs
    are cut. And ``functionalize_rng_ops`` is wrapped: it appends the RNG states of the
    random ops the backward replays after the tensors saved without a check, where
@@ -50,7 +55,7 @@ RecomputeError for it, where autograd would refuse to save it.
 
 Cost per call: one call of each op, a Python function through the dispatcher (the
 forward one reads N version counters into an N-element int64 tensor kept for backward,
-the backward one compares them; N = the parameters and buffers checked): about
+the backward one compares them; N = the weights checked): about
 5-10 us each for N <= 8, 30-40 us for N = 64 (CPU, torch 2.13).
 """
 
@@ -192,11 +197,36 @@ def _source_name(source: str) -> str:
     return re.sub(r"^args\[0\]\.", "self.", name)
 
 
-def _input_names(primals: list[torch.fx.Node]) -> list[str]:
-    """A name per joint-graph input: what dynamo read it from, '' where unknown."""
+def _dynamo_placeholders() -> list[torch.fx.Node]:
+    """The inputs of dynamo's graph being compiled (empty where it is not found)."""
     mod = caller_locals(_SIMPLIFIED, max_depth=24).get("mod")
     graph = mod.graph if isinstance(mod, torch.fx.GraphModule) else torch.fx.Graph()
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def _user_weights(primals: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The joint-graph inputs that are tensors made to be trained without being
+    ``nn.Parameter`` s (``torch.zeros(8, requires_grad=True)``, an argument or a global):
+    leaves that require grad. Like parameters they are alive while the graph is (its
+    AccumulateGrad nodes hold them), so saving them without autograd's check costs no
+    memory; other inputs (activations, data) are not: their saved copies go at backward."""
+    placeholders = _dynamo_placeholders()
+    weights = set()
+    for node in primals:
+        desc = node.meta.get("desc")
+        idx = getattr(desc, "idx", -1)
+        if type(desc).__name__ != "PlainAOTInput" or not 0 <= idx < len(placeholders):
+            continue
+        example = getattr(placeholders[idx].meta.get("grapharg"), "_example", None)
+        tensor = example() if callable(example) else example  # (a TensorWeakRef)
+        if isinstance(tensor, torch.Tensor) and tensor.is_leaf and tensor.requires_grad:
+            weights.add(node)
+    return weights
+
+
+def _input_names(primals: list[torch.fx.Node]) -> list[str]:
+    """A name per joint-graph input: what dynamo read it from, '' where unknown."""
+    placeholders = _dynamo_placeholders()
     names = []
     for node in primals:
         desc = node.meta.get("desc")
@@ -249,7 +279,7 @@ def _cudagraphs_on() -> bool:
 
 
 def _candidates(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
-    """``(primals, tangents, candidates)``: the parameters and buffers that may be
+    """``(primals, tangents, candidates)``: the weights that may be
     checked (no candidates where the inputs are unknown, there is no backward, or CUDA
     graphs replay the graph: autograd's check stays)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -263,18 +293,19 @@ def _candidates(gm: torch.fx.GraphModule) -> tuple[list[torch.fx.Node], list[tor
     if info is None or static is None or len(info) != len(primals) or not tangents or _cudagraphs_on():
         return primals, tangents, []
     written = written_inputs(gm, list(info))
-    candidates = [p for i, p in enumerate(primals) if i in static and p not in written]
+    weights = _user_weights(primals)
+    candidates = [p for i, p in enumerate(primals) if (i in static or p in weights) and p not in written]
     return primals, tangents, [p for p in candidates if isinstance(p.meta.get("val"), FakeTensor)]
 
 
 def checkable_inputs(gm: torch.fx.GraphModule) -> int:
-    """How many parameters and buffers :func:`guard_input_versions` may check in ``gm``
+    """How many weights :func:`guard_input_versions` may check in ``gm``
     (at most): the version check saves one int64 for each."""
     return len(_candidates(gm)[2])
 
 
 def guard_input_versions(gm: torch.fx.GraphModule, backward: set[torch.fx.Node]) -> int:
-    """Check, in the backward, the versions of the parameters and buffers the backward
+    """Check, in the backward, the versions of the weights the backward
     reads (see the module docstring); returns how many are checked so far (the
     partitioner may add the ones it saves for its own recomputations: step 4)."""
     from torch.utils.checkpoint import CheckpointPolicy

@@ -23,7 +23,9 @@ D1. [ which calls run steady ] Only a function-form scope, entered outside any o
     a captured graph does not have), and no TorchDispatchMode, TorchFunctionMode or
     global module hook active, no hook on a module the function reaches (its module's
     submodules, modules in its closure, globals and arguments: ``module_hooks_reached``; the
-    modules dynamo traced are guarded too: Q3 [ hooks are guarded ]), and only while
+    modules dynamo traced are guarded too: Q3 [ hooks are guarded ]), only a function whose code
+    dynamo does not skip (torch's own modules' ``forward``: dynamo would run the call eagerly,
+    unrecorded, and the call would then run again recorded), and only while
     ``GRADIENT_SCOPE_FAST`` allows it: on (``1``, ``true``, ``yes``, ``on``) always, off
     (``0``, ``false``, ``no``, ``off``) never, another word a ValueError (the words of
     ``GRADIENT_SCOPE_DISABLE``), unset when an argument of the function is a CUDA tensor
@@ -87,6 +89,7 @@ from ..._base.rng import default_generators
 from ..._base.torch_compat import (
     any_mode_active,
     current_graph_task,
+    dynamo_skips,
     global_module_hooks_active,
     is_dynamo_error,
     is_higher_order_op,
@@ -180,7 +183,11 @@ def _unwanted(opts: ScopeOptions, fn: Callable[..., Any], args: tuple[Any, ...],
     func = getattr(fn, "__func__", fn)
     if not inspect.isfunction(func) or inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
         return "not a function"
-    return "given up" if func in _failed else None
+    if func in _failed:
+        return "given up"
+    # dynamo would run a skipped frame eagerly, unrecorded (its random draws, its buffers' writes), and
+    # fullgraph=True raise after: the call would run twice
+    return "dynamo skips its code" if dynamo_skips(func) else None
 
 
 class _Request:
