@@ -394,8 +394,9 @@ class Budget:
         if r.timed:
             lines += [
                 "  the step counts the blocks' forward and backward as timed in the step the plan",
-                f"  measured ({fmt_seconds(r.measured)}: library included, replays not), recompute (modelled",
-                f"  per op at this device's rates, times {r.scale:.3g}: what that step's replays took)",
+                f"  measured ({fmt_seconds(r.measured)}; the library's own cost per op -- recording, packing --",
+                "  is inside it, replays are not), recompute (modelled per op at this device's rates,",
+                f"  times {r.scale:.3g}: what that step's replays took, replay's bookkeeping included)",
                 "  and copy wait; not the code outside the scopes",
             ]
         elif r.blocks:  # an eager plan not timed (a compiled one counts its recompute only)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import astuple
+from statistics import median_low
 from typing import Any
 
 import torch
@@ -246,21 +247,20 @@ class Run:
             warn_user(message)
 
 
-def _fastest(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
-    """Per structure (signature), the least of each of the seconds its blocks of the step
-    were last measured at (N5 [ predicted seconds and peak ]): blocks of one structure run the
-    same ops on the same shapes, and the first of them pays what runs once per process
-    (caches filled, the replay's program made). A structure with a block not timed has
-    none."""
-    out: dict[Any, Timing | None] = {}
+def _typical(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
+    """Per structure (signature), the lower median of each of the seconds its blocks of
+    the step were last measured at (N5 [ predicted seconds and peak ]): blocks of one
+    structure run the same ops on the same shapes; the first of them pays what runs once
+    per process (caches filled, the replay's program made) and any block may be slowed by
+    the machine, so with three or more the middle one counts (with one or two, the
+    lesser). A structure with a block not timed has none."""
+    out: dict[Any, list[Timing] | None] = {}
     for bp in blocks:
         seen = self.seen.get((bp.site, bp.occurrence, bp.keys))
         t = seen[4] if seen is not None else None
-        if bp.keys in out:
-            b = out[bp.keys]
-            t = None if b is None or t is None else Timing(*map(min, zip(astuple(b), astuple(t))))
-        out[bp.keys] = t
-    return {k: t for k, t in out.items() if t is not None}
+        got = out.get(bp.keys, [])
+        out[bp.keys] = None if got is None or t is None else [*got, t]
+    return {k: Timing(*(median_low(v) for v in zip(*map(astuple, ts)))) for k, ts in out.items() if ts}
 
 
 def _stop_watch(bp: BlockPlan) -> Timing | None:
@@ -276,7 +276,7 @@ def _stop_watch(bp: BlockPlan) -> Timing | None:
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
     """M4 [ an ended step is planned ]: plan every block and region of a finished step."""
     seen = []
-    fastest = _fastest(self, blocks)
+    typical = _typical(self, blocks)
     for bp in blocks:
         g, m = self.graphs[(bp.site, bp.keys)]
         label = f"{where(bp.site)}#{bp.occurrence}"
@@ -287,7 +287,7 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
             self.wheres[(bp.site, bp.keys)] = dict(bp.where)
         wheres = self.wheres.get((bp.site, bp.keys), {})
         seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng,
-                              set(bp.views), wheres, fastest.get(bp.keys)))  # fmt: skip
+                              set(bp.views), wheres, typical.get(bp.keys)))  # fmt: skip
     saves: list[SaveSeen] = [s for r in regions for s in r.saves]
     exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
     device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")

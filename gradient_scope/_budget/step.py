@@ -24,12 +24,13 @@ N4. [ a budget above plain autograd ] At a model-level budget of at least what p
     held, and memory at such a budget is plain's.
 N5. [ predicted seconds and peak ] Predicted step seconds, anchored to the measuring
     step (``_budget.timing``): each block's forward and backward as measured there
-    (without the measuring's own code and without replay; blocks of one structure
-    count as the fastest of them), plus the plan's recompute -- its modelled seconds
-    (each replayed op's kernel at the device's rates and replay's bookkeeping,
-    ``Rates.replay``) times the measured replay's seconds per modelled second (in the
-    measuring step every block replays all it saved) -- and the copies compute does not
-    hide. Where a block of the step was not timed, the modelled step instead: three
+    (without the measuring's own code and without replay; the library's own cost per
+    op, recording and packing, is inside them; blocks of one structure count as the
+    lower median of them: with one or two, the lesser), plus the plan's recompute --
+    its modelled seconds (each replayed op's kernel at the device's rates and replay's
+    bookkeeping, ``Rates.replay``) times the measured replay's seconds per modelled
+    second (in the measuring step every block replays all it saved) -- and the copies
+    compute does not hide. Where a block of the step was not timed, the modelled step instead: three
     times the ops' kernel seconds, autograd's own cost per op (``Rates.train``), the
     library's (recording each op, ``Rates.record``; packing each saved tensor,
     ``Rates.save``), the modelled recompute and the copies.
