@@ -8,6 +8,7 @@
 - ``measure`` -- what a budget reads from a closed record: each op's FLOPs and bytes,
   the values it reads, the outside tensors kept for replay.
 - ``rates`` -- the device's measured FLOP/s, bytes/s, per-op overhead and copy rates.
+- ``timing`` -- a measuring step timed: each block's forward, backward and replay.
 - ``step`` -- one step's plan on plain data (RULES N1..N5: what a step's plan covers).
 - ``planner`` -- keep, offload or recompute: a pure, closure-aware planner on plain data
   (RULES K1..K8: what a budget's plan keeps, offloads and recomputes).

@@ -126,12 +126,18 @@ class Handle:
         self.itself = itself
 
     def unpack(self) -> Tensor:
+        state = self.state
+        timer = state.timer
+        if timer is not None:
+            timer.unpacking()
         try:
             return materialize(self)
         except RecomputeError as e:
-            state = self.state
             _errors.with_site(e, self.var.frame.site if state.stats is None else state.site)
             raise
+        finally:
+            if timer is not None:
+                timer.unpacked()
 
     def __del__(self) -> None:
         # Autograd released this saved tensor (P7 [ the record lives with its handles ]). At
@@ -314,7 +320,7 @@ class ReplayState(_Stored):
     cache, what replay derives from its record. Only this class writes them, under
     ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stats", "site", "__weakref__")
+    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stats", "site", "timer", "__weakref__")
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7 [ the record lives with its handles ])
@@ -323,6 +329,9 @@ class ReplayState(_Stored):
         # each Var's own frame's.
         self.stats: ScopeStats | None = None
         self.site: Any = None
+        # Told of each unpack of one of the block's handles, before (``unpacking()``) and
+        # after (``unpacked()``): a budget timing its measuring step (``_budget.timing``).
+        self.timer: Any = None
         self.lock = threading.RLock()  # backward may run in another thread
         self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
         self.handles = 0  # live handles
