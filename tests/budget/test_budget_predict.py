@@ -7,6 +7,7 @@ comes to a measured step is the budget benchmark's to say (``python -m benchmark
 
 import itertools
 import time
+import types
 
 import pytest
 import torch
@@ -207,26 +208,37 @@ def test_a_block_that_saves_nothing_is_timed_without_backward(pinned_timings, mo
     assert seconds[False].replay > 0
 
 
-class _Busy:
-    """A runner whose step spends ``cost`` seconds of CPU and notes its name."""
+class _Clock:
+    """A CPU clock that only the fake runners advance: the benchmark's arithmetic is
+    checked exactly, whatever else the machine is running."""
 
-    def __init__(self, name, cost, calls):
-        self.name, self.cost, self.calls = name, cost, calls
+    def __init__(self):
+        self.now = 0.0
+
+    def process_time(self):
+        return self.now
+
+
+class _Busy:
+    """A runner whose step spends ``cost`` seconds of ``clock`` and notes its name."""
+
+    def __init__(self, name, cost, calls, clock):
+        self.name, self.cost, self.calls, self.clock = name, cost, calls, clock
 
     def step(self, seed):
         self.calls.append(self.name)
-        end = time.process_time() + self.cost
-        while time.process_time() < end:
-            pass
+        self.clock.now += self.cost
 
 
-def test_the_benchmark_measures_the_blocks_in_alternating_rounds():
+def test_the_benchmark_measures_the_blocks_in_alternating_rounds(monkeypatch):
     """``benchmarks.budget.blocks_steps``: one planned step of the budget first (the
     plan's first use), then rounds of one step each of the budget and of the code outside
     the layers, in alternating order; per round the difference of their CPU times."""
-    from benchmarks.budget import blocks_steps
+    import benchmarks.budget as bench
 
+    clock = _Clock()
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(process_time=clock.process_time))
     calls = []
-    steps = blocks_steps(_Busy("budget", 0.004, calls), _Busy("outside", 0.001, calls), rounds=4)
+    steps = bench.blocks_steps(_Busy("budget", 0.004, calls, clock), _Busy("outside", 0.001, calls, clock), rounds=4)
     assert calls == ["budget", "budget", "outside", "outside", "budget", "budget", "outside", "outside", "budget"]
-    assert len(steps) == 4 and all(0.0025 < s < 0.0035 for s in steps)
+    assert steps == pytest.approx([0.003] * 4, abs=1e-12)
