@@ -20,10 +20,12 @@ For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face mod
   plain (interleaved rounds), and for budgets the CPU time spent in the budget's own code
   per step (the calls scopes make to it: decisions, structure checks, planning);
 * per budget, the predicted step of the blocks (``Budget.predicted_step_time``: their
-  compute, the library's own cost per op, recompute) against the measured one: the
-  budget's step less the code outside the layers (plain, each layer passing its input
-  through), each the least CPU time of a few steps (the calibration behind the
-  prediction counts CPU time too: on a shared machine wall time counts other programs).
+  forward and backward as timed in the budget's measuring step, plus the plan's recompute
+  scaled to that step's replays) against the measured one, taken right after the
+  measuring step: the median over 9 rounds of the budget's step less the code outside
+  the layers (plain, each layer passing its input through), each step's CPU time (the
+  budget's timing takes the lesser of wall and CPU time too: on a shared machine wall
+  time counts other programs).
 
 With ``--offload``: ``save_on_cpu`` (torch's offloader), ``offload_all`` (every saved
 tensor through the library's offload engine, nothing recomputed), and ``budget@N+offload``
@@ -37,6 +39,7 @@ Budgets are measured from their third step (step 1 is unplanned, step 2 planned)
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +55,7 @@ from ._harness.machine import machine_info, mark_end
 from ._harness.memory import quiet_stderr
 from ._harness.report import fmt_mib, md_table, pyplot, results_dir, save_figure, write_results
 from ._harness.suite import Case, Runner
-from ._harness.timing import frozen_gc, interleaved_rounds, ratio_summary
+from ._harness.timing import frozen_gc, interleaved_rounds, quartiles, ratio_summary
 from .gpt import GPTConfig
 from .gpt import case as gpt_case
 from .hf_zoo import build
@@ -163,6 +166,25 @@ def cpu_step(runner: Runner, steps: int = 7) -> float:
     return best
 
 
+def blocks_steps(runner: Runner, outside: Runner, rounds: int = 9) -> list[float]:
+    """The step of ``runner``'s blocks, per round: its step less that of ``outside`` (the
+    code outside the layers), CPU seconds. Taken right after the budget's measuring step,
+    which its prediction comes from: the speed of a shared machine drifts over seconds
+    (the same step's CPU time by 1.5x), so the two are measured as close together as can
+    be. One planned step first (the plan's first use), then ``rounds`` rounds of one step
+    each, in alternating order."""
+    runner.step(SEED)
+    out = []
+    for i in range(rounds):
+        spent = [0.0, 0.0]
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
+            t0 = time.process_time()
+            (runner, outside)[k].step(SEED)
+            spent[k] = time.process_time() - t0
+        out.append(spent[0] - spent[1])
+    return out
+
+
 def bwd_flops(runner: Runner) -> int:
     """FLOPs of one backward as the profiler counts them (replayed matmuls included)."""
     runner.model.zero_grad(set_to_none=True)
@@ -202,14 +224,25 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
                unscoped=unscoped)
     log(f"{c.name}: plain held {fmt_mib(base['held'])} MiB peak {fmt_mib(base['peak'])} MiB, floor {fmt_mib(floor)}")
     runners: dict[str, Runner] = {}
+    outside = outside_layers(c)
+    outside.step(SEED)
 
     def run(name: str) -> dict[str, Any]:
         r = runners[name] = Runner(c, name, share_params=True)
+        steps: list[float] = []
+        if r.budget is not None:
+            r.step(SEED)  # the measuring step, then its plan (outside any timed step)
+            r.budget.floor_bytes  # noqa: B018
+            steps = blocks_steps(r, outside)
         m = res["strategies"][name] = _measured(r, ref, base_flops)
         if r.budget is not None:
+            q1, q3 = quartiles(steps)
             m.update(budget=r.budget.bytes, planned=r.budget.planned_bytes, predicted=r.budget.predicted_recompute,
                      offloaded=r.budget.offloaded_bytes, predicted_step_s=r.budget.predicted_step_time,
-                     predicted_library_s=r.budget._run.result.library, cpu_step_s=cpu_step(r))
+                     predicted_library_s=r.budget._run.result.library, timed=r.budget._run.result.timed,
+                     measured_blocks_s=r.budget._run.result.measured, replay_scale=r.budget._run.result.scale,
+                     blocks_steps_s=steps, blocks_measured_s=statistics.median(steps),
+                     blocks_quartiles_s=(q1, q3))
             m.update(own_time(c, r.budget.bytes) or {})
         log(f"  {name:20s} held {fmt_mib(m['held']):>8} peak {fmt_mib(m['peak']):>8} recompute "
             f"{m['recompute_flops'] / 1e9:.3f} GFLOP bitwise {m['bitwise']}"
@@ -239,11 +272,12 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
     times = interleaved_rounds({n: r.timed_step for n, r in runners.items()}, rounds)
     for n, s in ratio_summary({n: [t["step"] for t in v] for n, v in times.items()}, bases=("plain",)).items():
         res["strategies"][n].update(time_ratio_vs_plain=s["ratio_vs_plain"], time_median_s=s["time_median_s"])
-    res["outside_s"] = cpu_step(outside_layers(c))
+    res["outside_s"] = cpu_step(outside)
     for v in res["strategies"].values():
         if v.get("predicted_step_s"):
-            v["blocks_measured_s"] = v["cpu_step_s"] - res["outside_s"]
             v["predicted_vs_measured"] = v["predicted_step_s"] / v["blocks_measured_s"]
+            q1, q3 = v["blocks_quartiles_s"]
+            v["predicted_vs_quartiles"] = (v["predicted_step_s"] / q3, v["predicted_step_s"] / q1)
     if inductor:
         res["inductor"] = inductor_points(c, inductor, ref, log)
     res["curve"] = probe0.budget.curve().rows
@@ -348,7 +382,8 @@ def markdown(results: dict[str, Any]) -> str:
                  f"{v['recompute_flops'] / 1e9:.3f}", f"{v.get('time_ratio_vs_plain', 0):.3f}x",
                  f"{100 * v['fraction']:.2f}%" if "fraction" in v else "",
                  f"{v['predicted_step_s'] * 1e3:.1f} / {v['blocks_measured_s'] * 1e3:.1f} ms = "
-                 f"{v['predicted_vs_measured']:.2f}" if "predicted_vs_measured" in v else "", v["bitwise"]]
+                 f"{v['predicted_vs_measured']:.2f} ({v['predicted_vs_quartiles'][0]:.2f}..."
+                 f"{v['predicted_vs_quartiles'][1]:.2f})" if "predicted_vs_measured" in v else "", v["bitwise"]]
                 for n, v in sorted(res["strategies"].items(), key=lambda kv: ("budget" in kv[1], kv[1]["held"]))]
         lines += [
             f"## {name}", "", res["describe"], "",
@@ -357,10 +392,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{res['planning_s'] * 1e3:.1f} ms", "",
             md_table(["strategy", "budget MiB", "held MiB", "peak MiB", "recompute GFLOP", "time vs plain",
                       "budget code", "predicted / measured step", "bitwise"], rows), "",
-            "predicted / measured step: `Budget.predicted_step_time` (the blocks: compute, the library's own "
-            "cost per op, recompute) against the budget's step less the code outside the layers "
-            f"({res['outside_s'] * 1e3:.1f} ms: plain with every layer passing its input through), each the "
-            "least CPU time of 7 steps.",
+            "predicted / measured step: `Budget.predicted_step_time` (the blocks' forward and backward as timed "
+            "in the budget's measuring step, plus the plan's recompute scaled to that step's replays) against "
+            "the step of the blocks measured right after that measuring step: the median over 9 rounds of the "
+            "budget's step less the code outside the layers (plain with every layer passing its input through, "
+            f"{res['outside_s'] * 1e3:.1f} ms at least), each the process's CPU time of one step, the two in "
+            "alternating order; in brackets the prediction over the third and the first quartile of those rounds "
+            "(their spread: the machine's noise).",
         ]
         if res.get("inductor"):
             lines += [

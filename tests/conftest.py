@@ -9,6 +9,10 @@ them with ``from support import ...``, never from this file).
 * ``fast``: ``GRADIENT_SCOPE_FAST=1`` (the steady state) with no graph of an earlier test.
 * ``fresh_dynamo``: dynamo's caches reset around the test, the compile configuration
   checked unchanged after it (the compile tests take it with ``usefixtures``).
+
+The hooks at the end serve ``.ci/run``: with ``GS_TESTS_REACH`` the tests that can see
+``GRADIENT_SCOPE_FAST`` are listed, with ``GS_TESTS_SKIP_UNREACHED`` the others are deselected
+(``support.reach``).
 """
 
 import contextlib
@@ -19,6 +23,14 @@ import pytest
 import torch
 
 from support import _BASELINE, _BASELINE_PATCHED, DEVICES, _put_back, global_state, patchable
+from support.reach import (  # noqa: F401  (.ci/run's hooks: which tests GRADIENT_SCOPE_FAST can change)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_fixture_setup,
+    pytest_runtest_logreport,
+    pytest_runtest_protocol,
+    pytest_sessionfinish,
+)
 
 # torchao (the test extra, for the QLoRA test) logs at import through transformers and peft:
 # its wheel's CUDA kernels fail to load on a CPU torch, and torch 2.13 deprecates the pytree
@@ -128,3 +140,4 @@ def fresh_dynamo():
     assert after[3:] == before[3:], "cache configuration changed"
     assert torch._C._dynamo.eval_frame.set_eval_frame(None) is None, "a dynamo frame callback was left set"
     assert gs_compile._session is None, "a compile session of gradient_scope was left open"
+

@@ -10,6 +10,7 @@
 - ``agree`` -- plans agreed across the ranks of a distributed run (RULES A1..A5: how the
   ranks agree on a budget's plan).
 - ``rates`` -- the device's measured FLOP/s, bytes/s, per-op overhead and copy rates.
+- ``timing`` -- a measuring step timed: each block's forward, backward and replay.
 - ``step`` -- one step's plan on plain data (RULES N1..N5: what a step's plan covers).
 - ``planner`` -- keep, offload or recompute: a pure, closure-aware planner on plain data
   (RULES K1..K8: what a budget's plan keeps, offloads and recomputes).

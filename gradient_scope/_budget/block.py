@@ -20,6 +20,7 @@ from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
 from .measure import input_storages, kept_inputs, storage_of
 from .offload import Offloader
+from .timing import Stopwatch, syncs
 
 __all__ = ["BlockPlan", "BlockRun", "Plan"]
 
@@ -95,6 +96,7 @@ class BlockPlan:
         "whole",
         "views",
         "where",
+        "watch",
         "__weakref__",
     )
 
@@ -120,6 +122,9 @@ class BlockPlan:
         self.rng: frozenset[int] = frozenset()  # of them, generator states
         self.whole = False  # its record was dropped at close (N4 [ a budget above plain autograd ] in ``_budget.step``)
         self.views: set[int] = set()  # storages of outside tensors saved as views (kept by autograd too)
+        # its forward and backward timed, while it may be measured (``_budget.timing``); a
+        # block with plans is timed only where the marks cost no synchronization
+        self.watch: Stopwatch | None = None if plans and syncs() else Stopwatch()
 
     def needed(self) -> bool:
         """Whether a backward pass is still to use this block (M2 [ what a step is ])."""
@@ -170,12 +175,16 @@ class BlockPlan:
             # (a bound method made per call: kept on self it would be a reference cycle);
             # a wrapper is not offloaded (the engine moves plain storages): replayed
             return self._offload if place in plan.offloaded and not wrapped else False
+        watch = self.watch
+        since = watch.now() if watch is not None else (0.0, 0.0)
         budget = self.budget()
         self.where[place] = (running_module_path(), source(user_line(sys._getframe(1))))
         where = storage_of(t)
         # measuring: is it kept anyway (K2 [ a candidate is one storage ])?
         if budget is not None and where is not None:
             budget.saw_storage(where[0], StorageWeakRef(t.untyped_storage()), self, group)
+        if watch is not None:
+            watch.add_own(since)  # not run by a planned step
         return False
 
     def _offload(self, entry: Any, t: Tensor) -> Any:
@@ -195,6 +204,7 @@ class BlockPlan:
         (M3 [ a plan follows its structure ])."""
         record = self.record()
         budget = self.budget()
+        watch, self.watch = self.watch, None
         if record is None or budget is None or aborted:
             self.plans = []
             return
@@ -205,6 +215,10 @@ class BlockPlan:
         if self.known:  # planned: nothing to measure (the per-step cost stays small)
             self._apply(self.plans[0], record, budget)
             return
+        state = self.state()
+        if watch is not None and state is not None:
+            watch.close()  # the forward ends; what follows is the measuring's own
+            self.watch = state.timer = watch  # its unpacks time its backward
         self.inputs = input_storages(record)
         kept = kept_inputs(record)
         self.rng = frozenset(p for p in self.inputs if p not in kept)

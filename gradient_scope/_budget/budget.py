@@ -265,7 +265,8 @@ class Budget:
 
     @property
     def predicted_recompute(self) -> float | None:
-        """Seconds per step the plan spends recomputing; None before a plan."""
+        """Seconds per step the plan spends recomputing (modelled per op at the device's
+        rates, scaled to what the measuring step's replays took); None before a plan."""
         r = self._result()
         return None if r is None else r.recompute
 
@@ -277,10 +278,12 @@ class Budget:
 
     @property
     def predicted_step_time(self) -> float | None:
-        """Predicted seconds of a step's blocks: their forward and backward (kernels and
-        autograd's cost per op), what the library adds (recording each op, packing each
-        saved tensor, replay's bookkeeping), the recompute and the copies compute does not
-        hide -- not the code outside the scopes; None before a plan."""
+        """Predicted seconds of a step's blocks: their forward and backward as timed in the
+        step the plan measured (the library's own work in them included: recording,
+        packing; the measuring's own code and replays not), plus the plan's recompute
+        (:attr:`predicted_recompute`) and the copies compute does not hide -- not the code
+        outside the scopes; None before a plan. Where a block was not timed, the modelled
+        figure (see :meth:`summary`)."""
         r = self._result()
         return None if r is None else r.step
 
@@ -371,7 +374,7 @@ class Budget:
             Budget('40.00 KiB'):
               floor (nothing can move it)  ...
               predicted step of the blocks ...
-              the step counts the blocks' forward and backward (kernels and autograd per op,
+              the step counts the blocks' forward and backward as timed in the step the plan
             ...
         """
         r = self._result()
@@ -384,11 +387,19 @@ class Budget:
             ("predicted backward peak", fmt_bytes(r.peak)),
             ("predicted recompute per step", fmt_seconds(r.recompute)),
             ("predicted copy wait per step", fmt_seconds(r.transfer)),
-            ("predicted library cost per step", fmt_seconds(r.library)),
+            *([] if r.timed else [("predicted library cost per step", fmt_seconds(r.library))]),
             ("predicted step of the blocks", fmt_seconds(r.step)),
         ]
         lines = [f"{self!r}:", *(f"  {k:<32}{v:>12}" for k, v in rows)]
-        if r.blocks:  # an eager plan (a compiled one counts its recompute only)
+        if r.timed:
+            lines += [
+                "  the step counts the blocks' forward and backward as timed in the step the plan",
+                f"  measured ({fmt_seconds(r.measured)}; the library's own cost per op -- recording, packing --",
+                "  is inside it, replays are not), recompute (modelled per op at this device's rates,",
+                f"  times {r.scale:.3g}: what that step's replays took, replay's bookkeeping included)",
+                "  and copy wait; not the code outside the scopes",
+            ]
+        elif r.blocks:  # an eager plan not timed (a compiled one counts its recompute only)
             lines += [
                 "  the step counts the blocks' forward and backward (kernels and autograd per op,",
                 f"  {fmt_seconds(r.compute)}), the library's own cost (recording {r.ops_recorded} ops,",

@@ -148,8 +148,8 @@ class BudgetCurve:
             mark = "  <- this budget" if p is here else ""
             lines.append("  ".join(f"{c:>11}" for c in cells) + mark)
         lines.append(
-            "bytes: held on the device after forward; seconds: predicted per step of the blocks (FLOPs, bytes and "
-            "the library's per-op costs at this device's measured rates)"
+            "bytes: held on the device after forward; seconds: predicted per step of the blocks (what they count: "
+            "Budget.summary())"
         )
         return "\n".join(lines)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable, Hashable
+from dataclasses import astuple
+from statistics import median_low
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from .planner import BlockGraph
 from .rates import rates_for
 from .region import Region, RegionPlan, tensors_in
 from .step import _SPAN, BlockSeen, SaveSeen, StepPlan, plan_step
+from .timing import Timing
 
 # a region's entry pushes the pair, then opens the region
 # (I8 [ the main thread's pair, removed later ])
@@ -33,7 +36,8 @@ __all__ = ["Run"]
 
 Tensor = torch.Tensor
 Place = tuple[int, int]
-_Seen = tuple[dict[Place, int], dict[int, int], frozenset[int], set[int]]  # free, inputs, rng, views
+# free, inputs, rng, views, and its seconds (``_budget.timing``)
+_Seen = tuple[dict[Place, int], dict[int, int], frozenset[int], set[int], Timing | None]
 
 
 def where(site: Hashable) -> str:
@@ -73,7 +77,7 @@ class Run:
         self.pending: dict[int, tuple[list[Tensor], Hashable]] = {}
         self.to_evict: list[int] = []
         self.warned: set[str] = set()
-        # (site, occurrence, structure) -> (free groups, inputs, rng) last measured
+        # (site, occurrence, structure) -> (free groups, inputs, rng, views, seconds) last measured
         self.seen: dict[tuple[Hashable, int, Any], _Seen] = {}
         # the plan of the last step's structure (M8 [ the figures of the last step's plan ])
         self.result: StepPlan | None = None
@@ -231,13 +235,13 @@ class Run:
             if bp.known and key in self.seen:
                 # Planned in this step, so not measured: what its last measured step saw
                 # (addresses of then, negated: they never match now's).
-                free, inputs, rng, views = self.seen[key]
+                free, inputs, rng, views, _ = self.seen[key]
                 bp.free = {g: -1 - p for g, p in free.items()}
                 bp.inputs = {-1 - p: n for p, n in inputs.items()}
                 bp.rng = frozenset(-1 - p for p in rng)
                 bp.views = {-1 - p for p in views}
             else:
-                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views))
+                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views), _stop_watch(bp))
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
         _to_agree(self, blocks, regions, structure, True)
@@ -316,9 +320,36 @@ def _agree_pending(self: Run) -> None:
         _agree.agree(self, *pending)
 
 
+def _typical(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
+    """Per structure (signature), the lower median of each of the seconds its blocks of
+    the step were last measured at (N5 [ predicted seconds and peak ]): blocks of one
+    structure run the same ops on the same shapes; the first of them pays what runs once
+    per process (caches filled, the replay's program made) and any block may be slowed by
+    the machine, so with three or more the middle one counts (with one or two, the
+    lesser). A structure with a block not timed has none."""
+    out: dict[Any, list[Timing] | None] = {}
+    for bp in blocks:
+        seen = self.seen.get((bp.site, bp.occurrence, bp.keys))
+        t = seen[4] if seen is not None else None
+        got = out.get(bp.keys, [])
+        out[bp.keys] = None if got is None or t is None else [*got, t]
+    return {k: Timing(*(median_low(v) for v in zip(*map(astuple, ts)))) for k, ts in out.items() if ts}
+
+
+def _stop_watch(bp: BlockPlan) -> Timing | None:
+    """The block's measuring step is over: its seconds; its replay state times no more
+    unpacks."""
+    watch, bp.watch = bp.watch, None
+    state = bp.state()
+    if state is not None and state.timer is watch:
+        state.timer = None
+    return watch.timing() if watch is not None else None
+
+
 def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
     """M4 [ an ended step is planned ]: plan every block and region of a finished step."""
     seen = []
+    typical = _typical(self, blocks)
     for bp in blocks:
         g, m = self.graphs[(bp.site, bp.keys)]
         label = f"{where(bp.site)}#{bp.occurrence}"
@@ -332,7 +363,7 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
             self.wheres[(bp.site, bp.keys)] = dict(bp.where)
         wheres = self.wheres.get((bp.site, bp.keys), {})
         seen.append(BlockSeen(label, graph, m, dict(bp.saved), dict(bp.free), dict(bp.inputs), bp.rng,
-                              set(bp.views), wheres))  # fmt: skip
+                              set(bp.views), wheres, typical.get(bp.keys)))  # fmt: skip
     saves: list[SaveSeen] = [s for r in regions for s in r.saves]
     exclude: set[int] = set().union(*(r.exclude for r in regions)) if regions else set()
     device = self.graphs[(blocks[0].site, blocks[0].keys)][1].device if blocks else torch.device("cpu")

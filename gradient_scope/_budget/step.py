@@ -22,11 +22,18 @@ N4. [ a budget above plain autograd ] At a model-level budget of at least what p
     keeps everything. Under a model-level budget a block that keeps all it saved drops
     its record at its close (it will never replay): what only its record held is not
     held, and memory at such a budget is plain's.
-N5. [ predicted seconds and peak ] Predicted step seconds: the blocks' forward and
-    backward (three times their ops' kernel seconds, plus autograd's own cost per op,
-    ``Rates.train``), what the library adds (recording each op, ``Rates.record``;
-    packing each saved tensor, ``Rates.save``), the recompute (each replayed op's kernel
-    and replay's bookkeeping, ``Rates.replay``), and the copies compute does not hide.
+N5. [ predicted seconds and peak ] Predicted step seconds, anchored to the measuring
+    step (``_budget.timing``): each block's forward and backward as measured there
+    (without the measuring's own code and without replay; the library's own cost per
+    op, recording and packing, is inside them; blocks of one structure count as the
+    lower median of them: with one or two, the lesser), plus the plan's recompute --
+    its modelled seconds (each replayed op's kernel at the device's rates and replay's
+    bookkeeping, ``Rates.replay``) times the measured replay's seconds per modelled
+    second (in the measuring step every block replays all it saved) -- and the copies
+    compute does not hide. Where a block of the step was not timed, the modelled step instead: three
+    times the ops' kernel seconds, autograd's own cost per op (``Rates.train``), the
+    library's (recording each op, ``Rates.record``; packing each saved tensor,
+    ``Rates.save``), the modelled recompute and the copies.
     The code outside the scopes is not counted. The predicted peak: at each block's
     backward (backward goes from the last block to the first), the bytes kept for it and
     for the blocks before it, the gradients of the parameters of it and of the code
@@ -44,6 +51,7 @@ from .hostpool import footprint
 from .measure import Measured
 from .planner import BlockGraph, Candidate, Chain, Decision, Item, Transfer, build_chain, decide, recompute_cost
 from .rates import Rates, seconds
+from .timing import Timing
 
 __all__ = ["BlockSeen", "SaveSeen", "StepPlan", "BlockChoice", "plan_step"]
 
@@ -65,6 +73,7 @@ class BlockSeen:
     # of them, saved as views by autograd too (N2 [ a storage with two holders ])
     views: set[int] = field(default_factory=set)
     where: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)  # (module, line) of each save
+    timing: Timing | None = None  # its measuring step's seconds (``_budget.timing``)
 
 
 @dataclass
@@ -114,6 +123,13 @@ class StepPlan:
     ops_recorded: int = 0  # the blocks' ops, recorded
     saves: int = 0  # the tensors they save
     replayed: int = 0  # ops replayed per step
+    # N5 [ predicted seconds and peak ], anchored to the measuring step (``timed``): the blocks'
+    # forward and backward as measured, without replay, and the measured replay's seconds per
+    # modelled second of recompute (``recompute`` counts them: it is the modelled figure times
+    # ``scale``; 1 where not timed)
+    timed: bool = False
+    measured: float = 0.0
+    scale: float = 1.0
     stored: list[StoredOp] = field(default_factory=list)
     curve: list[CurvePoint] = field(default_factory=list)
     seen: list[BlockSeen] = field(default_factory=list)  # what it was planned from
@@ -269,14 +285,14 @@ def _why(how: str, spared: float, nbytes: int) -> str:
 
 
 def _stored(blocks: list[BlockSeen], choices: list[BlockChoice], saves: list[SaveSeen],
-            it: _Items, d: Decision, chain: Chain) -> list[StoredOp]:  # fmt: skip
+            it: _Items, d: Decision, chain: Chain, per: float) -> list[StoredOp]:  # fmt: skip
     out: list[StoredOp] = []
     at = {c: k for k, c in enumerate(chain.order)}
     for c, cand in enumerate(it.cands):
         bs, ch = blocks[cand.block], choices[cand.block]
         k0 = at.get(c)
         # K3 [ the plan is a chain ]: its gain in the chain
-        spared = 0.0 if k0 is None else chain.cost[k0] - chain.cost[k0 + 1]
+        spared = 0.0 if k0 is None else per * (chain.cost[k0] - chain.cost[k0 + 1])
         for v in cand.values:
             op, k = bs.measured.places[v]
             how = "kept" if (op, k) in ch.chosen else "offloaded" if (op, k) in ch.offloaded else "recomputed"
@@ -317,15 +333,18 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
     ops = sum(len(bs.measured.flops) for bs in blocks)
     nsaves = sum(len(bs.saved) for bs in blocks)
     compute = 3 * forward + ops * rates.train
-    # N5 [ predicted seconds and peak ]: the step without recompute and copies
-    fixed = compute + ops * rates.record + nsaves * rates.save
+    modelled = compute + ops * rates.record + nsaves * rates.save
+    anchor = _anchor(blocks)
+    # N5 [ predicted seconds and peak ]: the step without recompute and copies, and the seconds
+    # of one modelled second of recompute
+    fixed, per = anchor if anchor is not None else (modelled, 1.0)
     transfer = None if host is None else Transfer(rates.to_host, rates.to_device, forward, 2 * forward, host)
     views = set().union(*(bs.views for bs in blocks)) if blocks else set()
     plain = sum(it.real.values()) + sum(
         i.nbytes for i, p, (b, _) in zip(it.floor, it.floor_ptrs, it.floor_kind) if b == -1 or p in views
     )
     whole = model_level and budget >= plain
-    points = _curve(chain, it, budget, transfer, fixed, plain if model_level else None)
+    points = _curve(chain, it, budget, transfer, (fixed, per), plain if model_level else None)
     d, extra = _at(chain, it, budget, transfer)
     if whole:
         d, extra = Decision(len(chain.order), frozenset(), frozenset(), plain, 0, 0.0, 0.0, False), frozenset()
@@ -345,16 +364,17 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
         floor,
         d.device,
         d.host,
-        d.recompute,
+        per * d.recompute,
         d.transfer,
-        fixed + d.recompute + d.transfer,
+        fixed + per * d.recompute + d.transfer,
         _peak(blocks, choices, it, d, params or []),
         d.below,
     )
     plan.replayed = _replayed(blocks, choices)
     plan.compute, plan.ops_recorded, plan.saves = compute, ops, nsaves
-    plan.library = fixed - compute + plan.replayed * rates.replay
-    plan.stored = _stored(blocks, choices, saves, it, d, chain)
+    plan.library = modelled - compute + plan.replayed * rates.replay
+    plan.timed, plan.measured, plan.scale = anchor is not None, fixed if anchor else 0.0, per
+    plan.stored = _stored(blocks, choices, saves, it, d, chain, per)
     plan.seen = blocks
     plan.curve = points
     return plan
@@ -373,10 +393,24 @@ def _replayed(blocks: list[BlockSeen], choices: list[BlockChoice]) -> int:
     return out
 
 
-def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, fixed: float,
+def _anchor(blocks: list[BlockSeen]) -> tuple[float, float] | None:
+    """N5 [ predicted seconds and peak ] from the measuring step: the blocks' forward and
+    backward seconds, and the measured replay's seconds per modelled second of recompute;
+    None where a block was not timed."""
+    if not blocks or any(bs.timing is None for bs in blocks):
+        return None
+    timings = [bs.timing for bs in blocks if bs.timing is not None]
+    full = sum(recompute_cost(bs.graph, set()) for bs in blocks)  # what the measuring step replayed
+    replay = sum(t.replay for t in timings)
+    return sum(t.forward + t.backward for t in timings), (replay / full if full > 0 and replay > 0 else 1.0)
+
+
+def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, anchor: tuple[float, float],
            plain: int | None) -> list[CurvePoint]:  # fmt: skip
-    """The plan at the budgets where it changes (at most about 64 of them); ``fixed``:
-    N5 [ predicted seconds and peak ]'s seconds other than recompute and copies."""
+    """The plan at the budgets where it changes (at most about 64 of them); ``anchor``:
+    N5 [ predicted seconds and peak ]'s seconds other than recompute and copies, and the
+    seconds of one modelled second of recompute."""
+    fixed, per = anchor
     total = sum(i.nbytes for i in it.floor)
     low = sum(i.nbytes for i in it.floor if not i.offloadable) if transfer is not None else total
     marks = {total + n for n in chain.nbytes}
@@ -394,7 +428,7 @@ def _curve(chain: Chain, it: _Items, budget: int, transfer: Transfer | None, fix
             d = _at(chain, it, b, transfer)[0]
             if d.below:
                 continue
-            p = CurvePoint(b, d.device, d.host, d.recompute, d.transfer, fixed + d.recompute + d.transfer)
+            p = CurvePoint(b, d.device, d.host, per * d.recompute, d.transfer, fixed + per * d.recompute + d.transfer)
         if not points or p.step < points[-1].step:
             points.append(p)
     return points

@@ -135,12 +135,18 @@ class Handle:
         self.itself = itself
 
     def unpack(self) -> Tensor:
+        state = self.state
+        timer = state.timer
+        if timer is not None:
+            timer.unpacking()
         try:
             return materialize(self)
         except RecomputeError as e:
-            state = self.state
             _errors.with_site(e, self.var.frame.site if state.stats is None else state.site)
             raise
+        finally:
+            if timer is not None:
+                timer.unpacked()
 
     def __del__(self) -> None:
         # Autograd released this saved tensor (P7 [ the record lives with its handles ]). At
@@ -335,6 +341,7 @@ class ReplayState(_Stored):
         "derived",
         "stats",
         "site",
+        "timer",
         "collective",
         "communicating",
         "__weakref__",
@@ -347,6 +354,9 @@ class ReplayState(_Stored):
         # each Var's own frame's.
         self.stats: ScopeStats | None = None
         self.site: Any = None
+        # Told of each unpack of one of the block's handles, before (``unpacking()``) and
+        # after (``unpacked()``): a budget timing its measuring step (``_budget.timing``).
+        self.timer: Any = None
         self.lock = threading.RLock()  # backward may run in another thread
         self.pending: dict[int, weakref.ref[Handle]] = {}  # live handles, by id
         self.handles = 0  # live handles

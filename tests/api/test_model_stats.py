@@ -14,6 +14,8 @@ import transformers
 import gradient_scope
 from gradient_scope import ModelStats, ScopeStats, apply_recompute, model_stats, recompute_scope, remove_recompute
 
+from support import ResidualFF
+
 FIELDS = ("ops_recorded", "ops_saved", "tensors_packed", "bytes_packed", "replays", "ops_replayed")
 
 
@@ -21,18 +23,9 @@ def as_tuple(stats):
     return tuple(getattr(stats, f) for f in FIELDS)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
 def make_model():
     torch.manual_seed(0)
-    return nn.Sequential(Block(), Block(), nn.Linear(16, 4))
+    return nn.Sequential(ResidualFF(), ResidualFF(), nn.Linear(16, 4))
 
 
 def explicit_scopes(model, x):
@@ -57,7 +50,7 @@ def test_public_names():
 def test_apply_recompute_stats_per_module_and_total():
     x = torch.randn(8, 16, requires_grad=True)
     expected = explicit_scopes(make_model(), x)
-    model = apply_recompute(make_model(), check_fn=Block)
+    model = apply_recompute(make_model(), check_fn=ResidualFF)
     before = model_stats(model)  # nothing ran yet: the scoped modules, with zeros
     assert list(before.modules) == ["0", "1"] and as_tuple(before) == (0,) * len(FIELDS)
     model(x).sum().backward()
@@ -71,7 +64,7 @@ def test_apply_recompute_stats_per_module_and_total():
 
 
 def test_counts_accumulate_until_reset_and_apply_recompute_starts_afresh():
-    model = apply_recompute(make_model(), check_fn=Block)
+    model = apply_recompute(make_model(), check_fn=ResidualFF)
     x = torch.randn(8, 16, requires_grad=True)
     model(x).sum().backward()
     once = as_tuple(model_stats(model))
@@ -80,7 +73,7 @@ def test_counts_accumulate_until_reset_and_apply_recompute_starts_afresh():
     assert as_tuple(model_stats(model)) == (0,) * len(FIELDS)
     model(x).sum().backward()
     assert as_tuple(model_stats(model)) == once
-    apply_recompute(model, check_fn=Block)  # applied again: counts from here
+    apply_recompute(model, check_fn=ResidualFF)  # applied again: counts from here
     assert model_stats(model).modules["0"] == ScopeStats()
     remove_recompute(model)
     assert model_stats(model) == ModelStats()
@@ -106,7 +99,7 @@ def test_checkpoint_blocks_count_for_the_module_they_run():
 
 
 def test_checkpoint_stats_do_not_keep_the_module_alive():
-    block = Block()
+    block = ResidualFF()
     gradient_scope.checkpoint(block, torch.randn(2, 16, requires_grad=True)).sum().backward()
     assert model_stats(block).tensors_packed > 0
     probe = weakref.ref(block)

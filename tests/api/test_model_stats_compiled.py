@@ -18,6 +18,8 @@ import gradient_scope
 import gradient_scope._adapters.compile.graph as gs_compile
 from gradient_scope import apply_recompute, model_stats
 
+from support import ResidualFF
+
 pytestmark = [
     pytest.mark.skipif(
         gs_compile._MISSING is not None,
@@ -25,15 +27,6 @@ pytestmark = [
     ),
     pytest.mark.usefixtures("fresh_dynamo"),  # tests/conftest.py
 ]
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
-
-    def forward(self, x):
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
 CALLS = {
@@ -50,7 +43,7 @@ class Net(nn.Module):
     def __init__(self, call):
         super().__init__()
         self.call = call
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(ResidualFF() for _ in range(2))
         self.head = nn.Linear(16, 4)
 
     def forward(self, x):
@@ -64,7 +57,7 @@ def run(call, steps=2):
     torch.manual_seed(0)
     model = Net(call)
     if call == "apply_recompute":
-        apply_recompute(model, check_fn=Block)
+        apply_recompute(model, check_fn=ResidualFF)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # (no graph break)
     x = torch.randn(8, 16, requires_grad=True)
     for _ in range(steps):  # compiled once: the figures are the graph's, not a count per call
@@ -133,7 +126,7 @@ def test_a_function_compiled_once_serves_every_module_without_compiling_again():
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    blocks = nn.ModuleList(Block() for _ in range(3))
+    blocks = nn.ModuleList(ResidualFF() for _ in range(3))
     counters.clear()
     f = torch.compile(lambda block, x: gradient_scope.checkpoint(block, x), backend="aot_eager")
     for block in blocks:
@@ -147,7 +140,7 @@ class Wrapper(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inner = Block()
+        self.inner = ResidualFF()
 
     def forward(self, x):
         return gradient_scope.checkpoint(self.inner, x)

@@ -1,9 +1,11 @@
-"""A budget's predicted step counts what autograd and the library cost per op (rules N5 in
-``_budget.step``): recording each op of the blocks, packing each tensor they save, and
-replay's bookkeeping for each op replayed, at per-op rates measured once per device
-(``_budget.rates``, calibrated by ``_api.calibrate``). The figures are pinned here; how
-close the prediction comes to a measured step is the budget benchmark's to say
-(``python -m benchmarks.budget``), not a timed test's.
+"""A budget's modelled step (rules N5 in ``_budget.step``: the figure where the measuring
+step was not timed, and the model whose recompute the timed one scales) counts what
+autograd and the library cost per op: recording each op of the blocks, packing each tensor
+they save, and replay's bookkeeping for each op replayed, at per-op rates measured once per
+device (``_budget.rates``, calibrated by ``_api.calibrate``). The figures are pinned here,
+with the measuring step's timing off; the step anchored to it is
+``test_budget_predict.py``'s. How close the prediction comes to a measured step is the
+budget benchmark's to say (``python -m benchmarks.budget``), not a timed test's.
 """
 
 import dataclasses
@@ -18,12 +20,19 @@ from gradient_scope import Budget, apply_recompute, recompute_scope
 from gradient_scope._api.calibrate import library_costs
 from gradient_scope._budget import rates as rates_module
 from gradient_scope._budget.rates import LIBRARY_COSTS, Rates, pinned_rates, rates_for
+from gradient_scope._budget.timing import Stopwatch
 
 from support import PINNED_RATES
 from support import ResidualMLP as Block
 
 # Budgets of 0 bytes (every block recomputes all it can) are below the floor, and say so.
 pytestmark = pytest.mark.filterwarnings(r"ignore:.*Budget\(0 B\) is below the floor")
+
+@pytest.fixture(autouse=True)
+def untimed(monkeypatch):
+    """No block's measuring step is timed: plans predict the modelled step."""
+    monkeypatch.setattr(Stopwatch, "timing", lambda self: None)
+
 
 # The pinned rates without the per-op costs: what a plan predicts from kernels alone.
 KERNELS_ONLY = dataclasses.replace(PINNED_RATES, **{k: 0.0 for k in LIBRARY_COSTS})
@@ -57,6 +66,7 @@ def test_step_counts_each_recorded_op_and_each_save(nbytes):
     bare, _, _ = planned(nbytes, KERNELS_ONLY)
     r = budget._run.result
     recorded = gradient_scope.model_stats(model).ops_recorded
+    assert not r.timed and r.scale == 1.0
     assert r.ops_recorded == recorded > 0 and r.saves > 0
     extra = budget.predicted_step_time - bare.predicted_step_time
     library = recorded * PINNED_RATES.record + r.saves * PINNED_RATES.save + r.replayed * PINNED_RATES.replay

@@ -61,13 +61,17 @@ def test_enable_keeps_no_kv_cache_in_training_and_holds_no_more_than_hf_checkpoi
     with caplog.at_level(logging.INFO, logger="gradient_scope"):
         held, outputs, grads = held_with_output_alive(model)
         held_again, _, _ = held_with_output_alive(model)
+        held_third, _, _ = held_with_output_alive(model)
     assert outputs.cache is None
     assert held <= hf_held < plain_held
-    assert held_again == held
+    # Nothing grows from step to step. Under GRADIENT_SCOPE_FAST=1 the first step captures the
+    # layers and 96 bytes it allocates stay alive for good (a one-off: every later step holds
+    # the same): steps 2 and 3 are the ones to compare.
+    assert held_third == held_again <= held
     assert grads.keys() == plain_grads.keys()
     for name, g in grads.items():
         assert torch.equal(g, plain_grads[name]), name
-    # Said once (two steps), at WARNING as transformers says it for its own checkpointing.
+    # Said once (three steps), at WARNING as transformers says it for its own checkpointing.
     said = [r for r in caplog.records if r.name == "gradient_scope" and "use_cache=False" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert "LlamaForCausalLM" in said[0].getMessage()

@@ -144,7 +144,7 @@ def test_readme_is_an_entrance():
     blocks = re.findall(r"^```(\w*)\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
     assert [lang for lang, _ in blocks[:2]] == ["sh", "sh"]
     assert blocks[0][1].strip().endswith("pip install -e . && python examples/quickstart.py")
-    assert blocks[1][1].strip().endswith("pip install -e '.[test]' && python -m pytest -q")
+    assert blocks[1][1].strip().endswith("pip install -e '.[test]' && python -m pytest -q -n auto --maxprocesses 4")
     assert len(readme.splitlines()) <= 250
 
 

@@ -465,6 +465,17 @@ def pinned_cpu_rates():
     return pinned_rates("cpu", PINNED_RATES)
 
 
+class ResidualFF(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``, 16 -> 64 -> 16: the block the model_stats tests scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
 class ResidualMLP(nn.Module):
     """A pre-norm residual MLP with dropout: the layer the budget tests scope."""
 
