@@ -165,7 +165,8 @@ class BlockPlan:
         # storage, not its global shape's bytes (the smaller of the two).
         group = (root.op, record.out_index(root))
         nbytes = int(root.size.numel()) * root.dtype.itemsize
-        if wrapped or type(root()) is not Tensor:
+        held = root()  # None: dead (its bytes as recorded)
+        if wrapped or (held is not None and type(held) is not Tensor):
             nbytes = min(nbytes, sum(d.untyped_storage().nbytes() for d in data_tensors(t)))
         self.saved[place] = (group, nbytes)
         if self.plans:

@@ -363,7 +363,9 @@ def outside(block: OpenBlock, t: Tensor, entry: _registry.Entry | None) -> Ref:
     """The ref of ``t``, read by an op of ``block`` and no tensor of it (``entry``: its registry
     entry if another block made it): a wrapper of this block's tensors becomes one
     (R12 [ wrappers of block tensors are block tensors ]), anything else an Input."""
-    if entry is None and wrapper(t):
+    # a dead entry at ``t``'s id (a tensor that died in an open block, its id reused) is no
+    # entry of ``t``: which ids are reused differs from process to process
+    if (entry is None or entry() is not t) and wrapper(t):
         var = rewrapped(block, t)
         if var is not None:
             return var

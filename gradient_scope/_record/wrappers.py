@@ -155,7 +155,8 @@ def rewrapped(block: OpenBlock, t: Tensor) -> Var | None:
         if e is not None and e.frame.owner is block.owner and e() is inner and _version(inner) == e.version:  # type: ignore[attr-defined]
             refs.append(e)  # type: ignore[arg-type]  # this block's entries are Vars
             continue
-        v = rewrapped(block, inner) if e is None and wrapper(inner) else None
+        # (a dead entry at its id is none of ``inner``'s: ``_record.registry`` invariant 1)
+        v = rewrapped(block, inner) if (e is None or e() is not inner) and wrapper(inner) else None
         if v is None:
             return None
         refs.append(v)

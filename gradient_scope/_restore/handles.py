@@ -101,7 +101,7 @@ from .._base.torch_compat import (
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
-from .._record.wrappers import is_collective
+from . import communicate as _communicate
 from .replay import Derived, replay, restore_freed, same_values
 
 __all__ = ["Handle", "ReplayState", "materialize"]
@@ -365,7 +365,9 @@ class ReplayState(_Stored):
         # whether the closed record holds a collective (None: not looked at yet)
         # (P11 [ a replay that communicates reads no liveness ])
         self.collective: bool | None = None
-        self.communicating: dict[int, bool] = {}  # slot -> whether its replay runs a collective
+        # slot -> whether its replay runs a collective; made for a record that has one (an
+        # empty dict per block would change when the garbage collector runs)
+        self.communicating: dict[int, bool] | None = None
         # P9 [ stored values serve replays ]: what a budget stored, by id (weakly: autograd owns
         # it; each has ``var``, ``view`` and ``alias``, the stored tensor, or None where the
         # pair below ours holds it), and what it offloaded (the packed object: no ``alias``).
@@ -386,30 +388,13 @@ class ReplayState(_Stored):
         """Whether a replay of the block may run a collective
         (P11 [ a replay that communicates reads no liveness ])."""
         known = self.collective
-        if known is not None:
-            return known
-        record = self.record
-        if record is None:
-            return False
-        found = any(is_collective(rec.func) for rec in record.ops)
-        if not record.open:  # a closed record's ops no longer change
-            self.collective = found
-        return found
+        return known if known is not None else _communicate.communicates(self)
 
     def replay_communicates(self, var: Var) -> bool:
         """Whether a replay of ``var`` from the block's inputs alone runs a collective
         (``_save.pack`` S1 [ block tensors become handles ] stores such a value saved after
         its block closed)."""
-        record = self.record
-        if record is None or record.open or not self.communicates():
-            return False
-        st, slots = self.derived.of(record)
-        slot = slots.of[id(var)]
-        found = self.communicating.get(slot)
-        if found is None:
-            funcs = st.funcs
-            found = self.communicating[slot] = any(is_collective(funcs[i]) for i in st.closure(slot, None).plan)
-        return found
+        return self.communicates() and _communicate.replay_communicates(self, var)
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of this block's values, or is what
