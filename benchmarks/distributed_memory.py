@@ -13,6 +13,23 @@ twice, the second one reported, so that one-time allocations are not counted):
 
 Held bytes include whatever FSDP2 keeps after forward (the root's unsharded parameters),
 the same with and without scopes.
+
+``python -m benchmarks.distributed_memory --tp4`` spawns 4 gloo ranks and compares, on
+3 pre-norm residual MLP blocks (``LayerNorm`` then ``d -> 4d -> d``) of a
+``(batch, seq, d)`` input, in the torchtitan order (TP, then recompute, then FSDP2):
+
+* layouts: ``TP`` (``ColwiseParallel`` fc1, ``RowwiseParallel`` fc2 on a 4-rank mesh),
+  ``TP+SP`` (the same with a ``SequenceParallel`` norm: activations sharded on the sequence
+  between blocks), ``FSDP2+TP`` (TP on the "tp" dim of a 2x2 mesh, ``fully_shard`` per block
+  and root on "dp");
+* strategies: ``plain``; ``checkpoint`` (torch's non-reentrant
+  ``checkpoint_wrapper`` per block); ``scoped`` (``apply_recompute`` per block); ``budget``
+  (the same with a model-level ``Budget`` of half of plain's held bytes, each rank its
+  own: the plan is agreed, rank 0's);
+* per row, on rank 0: held after forward and peak (the CPU probe, second of two runs),
+  collectives per step (``gloo:*`` events of the profiler in one forward + backward,
+  the budget's plan agreement included), and step time (forward + backward, median of 5
+  unprofiled steps after 2 warm-up steps).
 """
 
 from __future__ import annotations
@@ -122,16 +139,160 @@ def _worker(rank: int, port: int, batch: int, d: int) -> None:
         dist.destroy_process_group()
 
 
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.mlp = _MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp.fc2(F.gelu(self.mlp.fc1(self.norm(x))))
+
+
+TP_LAYOUTS = ("TP", "TP+SP", "FSDP2+TP")
+TP_STRATEGIES = ("plain", "checkpoint", "scoped", "budget")
+
+
+def _tp_model(layout: str, strategy: str, d: int, budget: int) -> nn.Module:
+    """The 3 blocks parallelised in the torchtitan order: TP, recompute, FSDP2."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from gradient_scope import Budget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Block(d) for _ in range(3)])
+    if layout == "FSDP2+TP":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp, dp = mesh["tp"], mesh["dp"]
+    else:
+        tp, dp = init_device_mesh("cpu", (4,)), None
+    for block in model:
+        if layout == "TP+SP":
+            plan = {
+                "norm": SequenceParallel(),
+                "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        else:
+            plan = {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        parallelize_module(block, tp, plan)
+    if strategy == "checkpoint":
+        for i in range(len(model)):
+            model[i] = checkpoint_wrapper(model[i])
+    elif strategy == "scoped":
+        apply_recompute(model, check_fn=_Block)
+    elif strategy == "budget":
+        apply_recompute(model, check_fn=_Block, budget=Budget(budget))
+    if dp is not None:
+        for block in model:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+    return model
+
+
+def _collectives(step: Any) -> int:
+    """Collectives one call of ``step`` runs (the backend's ``gloo:``/``nccl:`` events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name.startswith(("gloo:", "nccl:")))
+
+
+def _step_time(step: Any) -> float:
+    import statistics
+    import time
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _tp_row(layout: str, strategy: str, batch: int, seq: int, d: int, budget: int) -> tuple[int, int, int, float]:
+    model = _tp_model(layout, strategy, d, budget)
+    rank = dist.get_rank()
+    data = rank // 2 if layout == "FSDP2+TP" else 0  # the ranks of a TP group see the same batch
+    x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(data))
+    if layout == "TP+SP":  # sequence parallel: each rank holds its part of the sequence
+        x = x.chunk(4, dim=1)[rank].contiguous()
+
+    def forward() -> torch.Tensor:
+        out = model(x)
+        out = out.to_local() if hasattr(out, "to_local") else out
+        return out.pow(2).sum()
+
+    def step() -> None:
+        forward().backward()
+
+    held, peak = _probe(forward)
+    return held, peak, _collectives(step), _step_time(step)
+
+
+def _tp_worker(rank: int, port: int, batch: int, seq: int, d: int) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        rows = []
+        for layout in TP_LAYOUTS:
+            plain_held = 0
+            for strategy in TP_STRATEGIES:
+                row = _tp_row(layout, strategy, batch, seq, d, plain_held // 2)
+                if strategy == "plain":
+                    plain_held = row[0]
+                rows.append((layout, strategy, *row))
+        if rank == 0:
+            _print_tp(rows, batch, seq, d)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print_tp(rows: list[tuple[Any, ...]], batch: int, seq: int, d: int) -> None:
+    print(f"batch {batch}, seq {seq}, d {d}, hidden {4 * d}, 3 blocks, 4 ranks (gloo, CPU); bytes on rank 0\n")
+    head = "| layout | strategy | held after forward | vs plain | backward peak | collectives/step | step time |"
+    print(head + " vs plain |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    base: dict[str, tuple[int, float]] = {}
+    for layout, strategy, held, peak, comms, secs in rows:
+        if strategy == "plain":
+            base[layout] = (held, secs)
+        h0, t0 = base[layout]
+        print(
+            f"| {layout} | {strategy} | {held:,} | {held / h0:.2f}x | {peak:,} | {comms} | "
+            f"{secs * 1e3:.1f} ms | {secs / t0:.2f}x |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Spawn the ranks and print the table (rank 0)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--d", type=int, default=256)
+    parser.add_argument("--tp4", action="store_true", help="the 4-rank TP, TP+SP and FSDP2+TP table")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length (--tp4)")
     args = parser.parse_args(argv)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, args.batch, args.d), nprocs=WORLD, join=True)
+    if args.tp4:
+        mp.spawn(_tp_worker, args=(port, args.batch, args.seq, args.d), nprocs=4, join=True)
+    else:
+        mp.spawn(_worker, args=(port, args.batch, args.d), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

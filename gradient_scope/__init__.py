@@ -24,6 +24,7 @@ from ._base.errors import RecomputeError
 from ._base.options import disabled
 from ._base.stats import ScopeStats
 from ._base.version import __version__ as __version__
+from ._budget import agree as _agree
 from ._budget import offload as _offload
 from ._budget import rates as _rates
 from ._budget.budget import Budget
@@ -64,6 +65,9 @@ _SEAMS = (
     # A budget's predicted times count what autograd and the library cost per op, measured
     # once per device by running scopes (``_api.calibrate``).
     _rates.set_calibration(_calibrate.library_costs),
+    # A budget's plan is agreed across ranks where a replay may run FSDP2's all-gather
+    # (A1 [ a shared block needs one plan ]).
+    _agree.add_shared_check(_fsdp.gathered),
 )
 
 __all__ = [

@@ -54,7 +54,7 @@ from .._record.types import BlockRecord, Var
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = ["regather", "release_buffers", "on_freed"]
+__all__ = ["regather", "release_buffers", "on_freed", "gathered"]
 
 _FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 
@@ -251,3 +251,13 @@ def on_freed(t: torch.Tensor) -> bool:
     """The adapter's freed-storage handler (registered by the package): a replay is about
     to read ``t``, whose storage FSDP2 freed; True if it was gathered back."""
     return regather(t)  # looked up at call time (tests wrap it)
+
+
+def gathered(t: torch.Tensor) -> bool:
+    """Whether ``t`` (an outside tensor a block read) lives in storage an FSDP2 group
+    gathers: a replay that finds it freed runs FSDP2's all-gather, so the ranks must
+    replay alike (``_budget.agree`` A1 [ a shared block needs one plan ])."""
+    if _FSDP_STATE_MODULE not in sys.modules:
+        return False
+    with _lock:
+        return any(_owner(storage_id(d)) is not None for d in data_tensors(t))

@@ -49,6 +49,13 @@ _HIDDEN_VIEWS = frozenset(
 # Collectives replayed in backward can hang or corrupt data when ranks replay
 # in different orders: their outputs are stored, never recomputed.
 _NEVER_REPLAY_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+# Functional collectives (``_c10d_functional``) an eager block records and replays whole
+# (R11 [ a functional collective replays whole ] in ``_record.entry``; compiled graphs keep
+# them), and the op that wraps a result in an ``AsyncCollectiveTensor``: no communication.
+_FUNCTIONAL_COLLECTIVES = frozenset(
+    {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"}
+)
+_FUNCTIONAL_WRAPS = frozenset({"_wrap_tensor_autograd"})
 
 # Ops whose outputs decide shapes or routing: which elements a selection or an ordering
 # picked, where the nonzeros are, counts and buckets, unique values, values read to the
@@ -166,6 +173,7 @@ class OpFacts:
         "view_of",
         "routing",
         "host_copy",
+        "collective",
     )
 
     def __init__(self, func: Any) -> None:
@@ -177,7 +185,7 @@ class OpFacts:
         self.routing = namespace == "aten" and (
             schema.name in _ROUTING or any(r.name == "indices" for r in schema.returns)
         )
-        self.never_replay = namespace in _NEVER_REPLAY_NAMESPACES or self.routing
+        self.never_replay = (namespace in _NEVER_REPLAY_NAMESPACES and short not in _FUNCTIONAL_WRAPS) or self.routing
         self.host_copy = schema.name in _COPIES
         self.seeded = SEEDED_TAG in func.tags
         aten = namespace == "aten"
@@ -208,6 +216,9 @@ class OpFacts:
             view_args.append(owner)
         self.outs: tuple[int, ...] = tuple(kinds)
         self.view_args: tuple[int | str, ...] = tuple(view_args)
+        # A functional collective returning new tensors: the recorder records it, and a replay
+        # runs it again (``_record.wrappers.Collective``); compiled graphs keep it (never_replay).
+        self.collective = namespace == "_c10d_functional" and short in _FUNCTIONAL_COLLECTIVES and not self.writes
         # ``dtype=None`` resolves the default dtype when the op runs: the
         # recorder fills in the dtype forward resolved.
         self.dtype_arg = any(a.name == "dtype" and a.kwarg_only for a in schema.arguments)

@@ -7,6 +7,8 @@
   outside the scopes saves.
 - ``measure`` -- what a budget reads from a closed record: each op's FLOPs and bytes,
   the values it reads, the outside tensors kept for replay.
+- ``agree`` -- plans agreed across the ranks of a distributed run (RULES A1..A5: how the
+  ranks agree on a budget's plan).
 - ``rates`` -- the device's measured FLOP/s, bytes/s, per-op overhead and copy rates.
 - ``timing`` -- a measuring step timed: each block's forward, backward and replay.
 - ``step`` -- one step's plan on plain data (RULES N1..N5: what a step's plan covers).

@@ -14,6 +14,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._base.lines import source, user_line
+from .._base.subclass import data_tensors, is_wrapper
 from .._record.context import running_module_path
 from .._record.signature import output_matches, signature
 from .._record.types import BlockRecord, Input, Var
@@ -154,19 +155,27 @@ class BlockPlan:
         place = (var.op, record.out_index(var))
         if self.plans and not _agrees(self.plans[0], rec, place, var):
             self._check(ops, place, var)
-        if type(t) is not Tensor or root.size is None:
+        wrapped = type(t) is not Tensor and is_wrapper(t)
+        if (type(t) is not Tensor and not wrapped) or root.size is None:
             self.saved[place] = None  # no storage we can see: never stored
             return False
         # Storages are told apart by their group's root, not by address: an address
-        # is reused as soon as an earlier tensor of the block is freed.
+        # is reused as soon as an earlier tensor of the block is freed. A DTensor (a
+        # wrapper, or its local tensor: its group's root is the DTensor) holds its local
+        # storage, not its global shape's bytes (the smaller of the two).
         group = (root.op, record.out_index(root))
-        self.saved[place] = (group, int(root.size.numel()) * root.dtype.itemsize)
+        nbytes = int(root.size.numel()) * root.dtype.itemsize
+        held = root()  # None: dead (its bytes as recorded)
+        if wrapped or (held is not None and type(held) is not Tensor):
+            nbytes = min(nbytes, sum(d.untyped_storage().nbytes() for d in data_tensors(t)))
+        self.saved[place] = (group, nbytes)
         if self.plans:
             plan = self.plans[0]
             if place in plan.chosen:
                 return True
-            # (a bound method made per call: kept on self it would be a reference cycle)
-            return self._offload if place in plan.offloaded else False
+            # (a bound method made per call: kept on self it would be a reference cycle);
+            # a wrapper is not offloaded (the engine moves plain storages): replayed
+            return self._offload if place in plan.offloaded and not wrapped else False
         watch = self.watch
         since = watch.now() if watch is not None else (0.0, 0.0)
         budget = self.budget()

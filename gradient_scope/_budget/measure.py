@@ -23,15 +23,18 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from .._base.subclass import data_tensors
 from .._record.types import BlockRecord, Input, MetaArg, OpRecord, Var
+from .._record.wrappers import INNER, is_collective
 from .._restore.replay import op_refs
-from .rates import Rates, seconds
+from .rates import Rates, comm_rates, comm_seconds, seconds
 
 __all__ = [
     "value_index",
     "measure",
     "costs",
     "op_work",
+    "local_bytes",
     "Measured",
     "input_storages",
     "kept_inputs",
@@ -71,6 +74,8 @@ class Measured:
         "device",
         "params",
         "out",
+        "groups",
+        "comm",
     )
 
     def __init__(self) -> None:
@@ -85,6 +90,10 @@ class Measured:
         self.cuttable: list[bool] = []
         self.needs: list[tuple[int, ...]] = []
         self.places: list[tuple[int, int]] = []  # per value: (op, output index)
+        # per op: the process group a collective runs on (None: not a collective), and
+        # the local bytes of its larger side (what its time is priced by)
+        self.groups: list[str | None] = []
+        self.comm: list[int] = []
 
 
 def measure(record: BlockRecord) -> Measured:
@@ -92,14 +101,18 @@ def measure(record: BlockRecord) -> Measured:
     index = value_index(record)
     m = Measured()
     device = None
+    local = local_bytes(record)
     for i, rec in enumerate(record.ops):
-        flops, moved = op_work(rec)
+        flops, moved = op_work(rec, local)
         m.flops.append(flops)
         m.moved.append(moved)
         if device is None:
             device = next((v.device for v in rec.outs if v is not None), None)
         m.reads.append(tuple(_number(index, record, r) for r in op_refs(rec) if type(r) is Var))
         m.names.append(str(rec.func))
+        group = _group(rec) if is_collective(rec.func) else None
+        m.groups.append(group)
+        m.comm.append(_comm_bytes(rec) if group is not None else 0)
         for k, v in enumerate(rec.outs):
             if v is not None:
                 writes = v.root.writes
@@ -111,8 +124,19 @@ def measure(record: BlockRecord) -> Measured:
         m.device = device
     m.params = _param_bytes(record)
     last = next((v for v in record.ops[-1].outs if v is not None), None) if record.ops else None
-    m.out = _nbytes(last) if last is not None else 0
+    m.out = _nbytes(last, local) if last is not None else 0
     return m
+
+
+def local_bytes(record: BlockRecord) -> dict[int, int]:
+    """The wrapper Vars of ``record`` (DTensors: their ``size`` is the global shape) by
+    ``id``, each to the bytes of its local tensors (the ``INNER`` Vars recorded after it):
+    what a kept DTensor holds on this rank."""
+    out: dict[int, int] = {}
+    for rec in record.ops:
+        if rec.func is INNER and type(rec.args[0]) is Var:
+            out[id(rec.args[0])] = out.get(id(rec.args[0]), 0) + _nbytes(rec.outs[0])
+    return out
 
 
 def _param_bytes(record: BlockRecord) -> int:
@@ -129,17 +153,43 @@ def _param_bytes(record: BlockRecord) -> int:
 
 
 def costs(m: Measured, rates: Rates) -> tuple[float, ...]:
-    """Each op's replay time in seconds at ``rates``: its kernel and replay's bookkeeping."""
-    return tuple(seconds(f, b, rates) + rates.replay for f, b in zip(m.flops, m.moved))
+    """Each op's replay time in seconds at ``rates``: its kernel and replay's bookkeeping.
+    A collective on a process group whose rates are measured (``rates.comm_rates``) is
+    priced by them and its local bytes; before that, as any op moving its bytes."""
+    out = []
+    for f, b, group, n in zip(m.flops, m.moved, m.groups, m.comm):
+        comm = comm_rates(group) if group is not None else None
+        out.append((comm_seconds(n, comm) if comm is not None else seconds(f, b, rates)) + rates.replay)
+    return tuple(out)
 
 
-def _nbytes(a: Any) -> int:
+def _group(rec: OpRecord) -> str | None:
+    """The process group name a functional collective's arguments carry (its last string
+    argument: ``all_gather_into_tensor(input, group_size, group_name)``), or None."""
+    for a in reversed((*rec.args, *rec.kwargs.values())):
+        if isinstance(a, str):
+            return a
+    return None
+
+
+def _comm_bytes(rec: OpRecord) -> int:
+    """A collective's local bytes: its larger side on this rank (an all-gather's output,
+    a reduce-scatter's input)."""
+    sides = [_nbytes(a) for a in (*rec.args, *rec.kwargs.values())] + [_nbytes(v) for v in rec.outs if v is not None]
+    return max(sides, default=0)
+
+
+def _nbytes(a: Any, local: dict[int, int] | None = None) -> int:
+    """The bytes of a record's value on this rank: a wrapper's (a DTensor's) by its local
+    tensors (``local``: :func:`local_bytes`), not its global shape."""
     if type(a) is Var:
+        if local and id(a) in local:
+            return local[id(a)]
         if a.size is None:
             return 0
         return int(a.size.numel()) * a.dtype.itemsize
     if type(a) is Input:
-        return a.tensor.numel() * a.tensor.element_size()
+        return sum(d.numel() * d.element_size() for d in data_tensors(a.tensor))
     return 0
 
 
@@ -153,8 +203,9 @@ def _shape(a: Any) -> Any:
     return a
 
 
-def op_work(rec: OpRecord) -> tuple[float, float]:
-    """``(FLOPs, bytes moved)`` of one recorded op (see the module docstring)."""
+def op_work(rec: OpRecord, local: dict[int, int] | None = None) -> tuple[float, float]:
+    """``(FLOPs, bytes moved)`` of one recorded op (see the module docstring); DTensors'
+    bytes by their local tensors (``local``: :func:`local_bytes`)."""
     func, args, kwargs, outs = rec.func, rec.args, rec.kwargs, rec.outs
     flops = 0.0
     formula = flop_registry.get(getattr(func, "overloadpacket", None))
@@ -172,9 +223,9 @@ def op_work(rec: OpRecord) -> tuple[float, float]:
             flops = 0.0
     if getattr(func, "is_view", False):
         return flops, 0.0
-    moved = sum(_nbytes(a) for a in (*args, *kwargs.values()))
-    moved += sum(_nbytes(x) for a in args if type(a) is list for x in a)
-    moved += sum(_nbytes(v) for v in outs if v is not None)
+    moved = sum(_nbytes(a, local) for a in (*args, *kwargs.values()))
+    moved += sum(_nbytes(x, local) for a in args if type(a) is list for x in a)
+    moved += sum(_nbytes(v, local) for v in outs if v is not None)
     return flops, float(moved)
 
 

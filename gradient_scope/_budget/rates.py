@@ -12,6 +12,11 @@ The per-op costs come from a calibration the public layer registers
 ``_api.calibrate``); it runs in a thread of its own, so the caller's open blocks,
 modes and hooks (thread-local) neither see it nor change it. Without a registered
 calibration those costs are 0.
+
+A process group's collectives (:class:`CommRates`) are measured once per group and
+process too, but only where every rank of the group is at the same point of the
+program (``_budget.agree`` A2 [ agreed where every rank is ]): a measurement is a
+collective itself.
 """
 
 from __future__ import annotations
@@ -26,7 +31,20 @@ import torch
 
 from .._base.torch_compat import profiler_range, without_python_dispatch, without_torch_function
 
-__all__ = ["Rates", "rates_for", "pinned_rates", "seconds", "set_calibration", "LIBRARY_COSTS", "timed"]
+__all__ = [
+    "Rates",
+    "rates_for",
+    "pinned_rates",
+    "seconds",
+    "set_calibration",
+    "LIBRARY_COSTS",
+    "timed",
+    "CommRates",
+    "comm_rates",
+    "comm_seconds",
+    "measure_comm",
+    "pinned_comm_rates",
+]
 
 
 @dataclass(frozen=True)
@@ -199,3 +217,84 @@ def _measure(device: torch.device) -> Rates:
         else:  # the host-copy stand-in copies within host memory
             to_host = to_device = memory / 2
     return Rates(flops=flops, memory=memory, overhead=overhead, to_host=to_host, to_device=to_device)
+
+
+@dataclass(frozen=True)
+class CommRates:
+    """How fast one process group's collectives run, as measured on this rank.
+
+    Attributes:
+        latency: seconds of a collective of next to no bytes.
+        bandwidth: bytes/s of a collective, counted in the local bytes of its larger
+            side (an all-gather's output on this rank, a reduce-scatter's input).
+
+    Example::
+
+        >>> comm_seconds(2**20, CommRates(latency=1e-4, bandwidth=2**30))
+        0.0010765625
+    """
+
+    latency: float
+    bandwidth: float
+
+
+def comm_seconds(nbytes: float, rates: CommRates) -> float:
+    """A collective's predicted time for ``nbytes`` local bytes."""
+    return rates.latency + nbytes / rates.bandwidth
+
+
+_COMM: dict[str, CommRates] = {}
+
+
+def comm_rates(group_name: str) -> CommRates | None:
+    """The rates of the process group named ``group_name`` (the name functional
+    collectives carry), None until :func:`measure_comm` measured it."""
+    return _COMM.get(group_name)
+
+
+def measure_comm(group_names: list[str]) -> None:
+    """Measure the groups of ``group_names`` not measured yet, once per process: an
+    all-gather of a few bytes (latency) and of 1 MiB per rank (16 MiB on CUDA). A
+    collective: every rank of each group calls it with the same names, in the same order
+    (``_budget.agree`` A2 [ agreed where every rank is ])."""
+    for name in group_names:
+        if name not in _COMM:
+            _COMM[name] = _measure_group(name)
+
+
+def _measure_group(name: str) -> CommRates:
+    from torch.distributed import distributed_c10d as c10d
+
+    dist = torch.distributed
+    group = c10d._resolve_process_group(name)  # type: ignore[attr-defined, arg-type, unused-ignore]
+    size = dist.get_world_size(group)
+    cuda = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    n = (16 if cuda else 1) * 2**20 // 4
+    with torch.no_grad(), without_torch_function(), without_python_dispatch(), profiler_range("gradient_scope.rates"):
+        small, big = torch.zeros(8, device=device), torch.zeros(n, device=device)
+        small_out, big_out = torch.empty(8 * size, device=device), torch.empty(n * size, device=device)
+        # every rank runs the same number of rounds (``timed``'s are fixed): none waits alone
+        latency = timed(lambda: dist.all_gather_into_tensor(small_out, small, group=group), sync, 5)
+        each = timed(lambda: dist.all_gather_into_tensor(big_out, big, group=group), sync, 3)
+    return CommRates(latency=latency, bandwidth=big_out.numel() * 4 / max(each - latency, 1e-9))
+
+
+@contextlib.contextmanager
+def pinned_comm_rates(group_name: str, rates: CommRates) -> Iterator[CommRates]:
+    """Use ``rates`` for the group ``group_name`` inside the ``with`` block (tests, and
+    plans made for another machine)."""
+    before = _COMM.get(group_name)
+    _COMM[group_name] = rates
+    try:
+        yield rates
+    finally:
+        if before is None:
+            _COMM.pop(group_name, None)
+        else:
+            _COMM[group_name] = before

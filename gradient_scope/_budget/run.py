@@ -3,6 +3,7 @@ engine (M1..M8 in ``_budget.budget``; ``Budget`` is the public face of a :class:
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import astuple
@@ -16,6 +17,7 @@ from .._base.feedback import warn_user
 from .._record.types import BlockRecord
 from .._save import interception as _interception
 from .._save import pack as _pack
+from . import agree as _agree
 from .block import BlockPlan, Plan
 from .curve import fmt_bytes
 from .measure import Measured, costs, measure
@@ -82,6 +84,13 @@ class Run:
         self.results: dict[Hashable, StepPlan] = {}  # every step structure planned -> its plan
         # (site, structure) -> where each save of its block ran, as last measured (stored_ops)
         self.wheres: dict[tuple[Hashable, Any], dict[Place, tuple[str, str]]] = {}
+        # (site, structure) -> (its ops' digest, whether its replay may communicate),
+        # as measured (A1 [ a shared block needs one plan ] in ``_budget.agree``)
+        self.digests: dict[tuple[Hashable, Any], tuple[int, bool]] = {}
+        # whether a step's structure was exchanged (A5 [ the first step is checked before its backward ])
+        self.checked = False
+        # the ended step the ranks have not agreed on yet (A2 [ agreed where every rank is ])
+        self.unagreed: tuple[Any, ...] | None = None
 
     # -- steps (M2 [ what a step is ])
 
@@ -91,6 +100,7 @@ class Run:
 
     def _starting(self) -> None:
         self.settle()
+        _agree_pending(self)
         if not self.step and not self.regions and self.engine is not None:
             self.engine.new_step()
 
@@ -107,6 +117,7 @@ class Run:
     def open_region(self, module: torch.nn.Module, inputs: Any) -> Region:
         """A forward of the model starts (M6 [ a model-level budget bounds the model ]): our
         pair goes on top, the region observes."""
+        _collect_ended(self)
         self._starting()
         occurrence = len(self.regions)
         region = Region(self, occurrence, module, inputs, list(self.region_plans.get(occurrence, ())))
@@ -127,6 +138,7 @@ class Run:
         self.try_evictions()
         if not self.open_regions:  # what could not be offloaded by the end of forward stays
             self.pending, self.to_evict = {}, []
+            _check_first(self)
         _interception.sweep()
         engine = self.engine
         if engine is None or output is None:
@@ -194,6 +206,8 @@ class Run:
 
     def measured(self, bp: BlockPlan, record: BlockRecord) -> None:
         key = (bp.site, bp.keys)
+        if key not in self.digests and _agree.world() is not None:
+            self.digests[key] = (_agree.digest(record), _agree.is_shared(record))
         if key not in self.graphs:
             m = measure(record)
             g = BlockGraph(where(bp.site), costs(m, rates_for(m.device)), tuple(m.reads), tuple(m.producers),
@@ -201,17 +215,7 @@ class Run:
             self.graphs[key] = (g, m)
 
     def end_step(self) -> None:
-        refused = self.engine.take_refused() if self.engine is not None else 0
-        if refused:
-            host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
-            self.warn_once(
-                "refused",
-                f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
-                f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
-                "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
-                "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
-                "step, or give offload= more bytes.",
-            )
+        _warn_refused(self)
         blocks = [bp for bp in self.step if bp.keys is not None]
         regions = self.regions
         self.step, self.regions, self._storages, self.occurrences = [], [], {}, {}
@@ -224,6 +228,7 @@ class Run:
         known = self.results.get(structure)
         if known is not None and all(bp.known for bp in blocks) and all(r.matches() for r in regions):
             self.result = known  # M8 [ the figures of the last step's plan ]
+            _to_agree(self, blocks, regions, structure, False)
             return
         for bp in blocks:
             key = (bp.site, bp.occurrence, bp.keys)
@@ -239,12 +244,80 @@ class Run:
                 self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views), _stop_watch(bp))
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
+        _to_agree(self, blocks, regions, structure, True)
 
     def warn_once(self, what: str, message: str) -> None:
         """Warn once per budget, at the user's line."""
         if what not in self.warned:
             self.warned.add(what)
             warn_user(message)
+
+
+def _warn_refused(self: Run) -> None:
+    """Offloads the host pool refused in the ended step: one warning."""
+    refused = self.engine.take_refused() if self.engine is not None else 0
+    if refused:
+        host = "True" if self.host == float("inf") else repr(fmt_bytes(self.host or 0))
+        self.warn_once(
+            "refused",
+            f"gradient_scope: Budget({fmt_bytes(self.bytes)!r}, offload={host}): "
+            f"{fmt_bytes(refused)} ({refused} bytes) that the plan offloads stayed on the device, over the "
+            "plan: the host pool had no room for them (its memory is still held by offloaded tensors of an "
+            "earlier step, such as a graph kept with retain_graph=True). Free that graph before the next "
+            "step, or give offload= more bytes.",
+        )
+
+
+def _to_agree(self: Run, blocks: list[BlockPlan], regions: list[Region], structure: Hashable, planned: bool) -> None:
+    """A2 [ agreed where every rank is ]: in a distributed run, an ended step with a shared
+    block is agreed at the next block or forward entry."""
+    if _agree.world() is None:
+        return
+    found = [self.digests.get((bp.site, bp.keys)) for bp in blocks]
+    if not any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
+        return
+    digests = [_agree.site_digest(bp.site, bp.occurrence, f[0] if f else 0) for bp, f in zip(blocks, found)]
+    # the process groups of the blocks' collectives, sorted: the same on every rank whose
+    # step has this structure
+    groups = sorted({g for bp in blocks if (bp.site, bp.keys) in self.graphs
+                     for g in self.graphs[(bp.site, bp.keys)][1].groups if g is not None})  # fmt: skip
+
+    def replan() -> None:  # (new rates were measured)
+        _plan(self, blocks, regions)
+        self.results[structure] = self.result  # type: ignore[assignment]
+
+    self.unagreed = (blocks, regions, structure, digests, planned, groups, replan)
+
+
+def _collect_ended(self: Run) -> None:
+    """A2 [ agreed where every rank is ]: at a model forward, the last step ends on every
+    rank, not when this rank's garbage collector frees a cycle holding its blocks' handles
+    (DTensors): collected here where it has not ended and the ranks agree."""
+    if self.step and not self.open_regions and _agree.world() is not None and self.digests:
+        self.settle()
+        if self.step:
+            gc.collect()
+
+
+def _check_first(self: Run) -> None:
+    """A5 [ the first step is checked before its backward ]: at the end of the first model
+    forward with a shared block, before any agreement."""
+    if self.checked or _agree.world() is None:
+        return
+    blocks = [bp for bp in self.step if bp.keys is not None]
+    found = [self.digests.get((bp.site, bp.keys)) for bp in blocks]
+    if any(f is not None and f[1] for f in found):  # A1 [ a shared block needs one plan ]
+        self.checked = True
+        _agree.check([_agree.site_digest(bp.site, bp.occurrence, f[0] if f else 0) for bp, f in zip(blocks, found)])
+
+
+def _agree_pending(self: Run) -> None:
+    """A2 [ agreed where every rank is ]: every rank enters here, at a step's first block or
+    forward."""
+    pending, self.unagreed = self.unagreed, None
+    if pending is not None:
+        self.checked = True
+        _agree.agree(self, *pending)
 
 
 def _typical(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
@@ -281,7 +354,10 @@ def _plan(self: Run, blocks: list[BlockPlan], regions: list[Region]) -> None:
         g, m = self.graphs[(bp.site, bp.keys)]
         label = f"{where(bp.site)}#{bp.occurrence}"
         index = {place: v for v, place in enumerate(m.places)}
-        graph = BlockGraph(label, g.costs, g.reads, g.producers, g.cuttable, g.needs,
+        # a block's collectives are priced at plan time: their groups' rates are measured
+        # where the ranks agree, after the block was measured (``_budget.rates`` CommRates)
+        priced = costs(m, rates_for(m.device)) if any(m.groups) else g.costs
+        graph = BlockGraph(label, priced, g.reads, g.producers, g.cuttable, g.needs,
                            tuple(index[p] for p in bp.saved if p in index))  # fmt: skip
         if bp.where:  # measured in this step: where its saves ran (kept for the planned steps)
             self.wheres[(bp.site, bp.keys)] = dict(bp.where)

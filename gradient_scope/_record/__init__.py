@@ -1,7 +1,9 @@
 """Record: one op of an open block becomes an entry of the block's record.
 
 - ``recorder`` -- the thread's TorchDispatchMode, and which block records now.
-- ``entry`` -- how one op becomes an ``OpRecord`` (RULES R1..R10: what a recording keeps).
+- ``entry`` -- how one op becomes an ``OpRecord`` (RULES R1..R12: what a recording keeps).
+- ``wrappers`` -- the record ops of wrapper subclasses (a DTensor built around block tensors,
+  its local tensor) and of functional collectives (tensor parallelism).
 - ``types`` -- the record's types: ``Var``, ``Input``, ``MetaArg``, ``OpRecord``,
   ``ViewSpec``, ``Frame``, ``BlockRecord``, ``BlockOwner``.
 - ``signature`` -- a record's structure as one key: what replay shares its plans by and a

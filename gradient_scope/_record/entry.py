@@ -1,6 +1,6 @@
 """How one op of an open block becomes an entry (an ``OpRecord``) of its record.
 
-RULES R1..R10: what a recording keeps.
+RULES R1..R12: what a recording keeps.
 
 R1. [ a written input is copied ] A block never holds a tensor whose storage it wrote
     to: an Input written by the block is replaced by a private copy of its value before
@@ -8,7 +8,8 @@ R1. [ a written input is copied ] A block never holds a tensor whose storage it 
     statistics then change once per forward; a view read later from the same storage is
     copied too.)
 R2. [ kept ops are not recorded ] Outputs of ops a ``save=`` policy keeps, of
-    collectives and of higher-order ops are not recorded: they are ordinary tensors,
+    ``c10d`` collectives (R11 [ a functional collective replays whole ]: functional ones
+    are recorded) and of higher-order ops are not recorded: they are ordinary tensors,
     stored by autograd. A ``save=`` policy never keeps an op that writes to an argument.
     Ops whose outputs decide shapes or routing (top-k and sort indices, nonzero,
     bincount, unique, values read to the host: ``_base.ops.kept_always``) are not
@@ -54,6 +55,21 @@ R10. [ an unseen write makes an Input ] A block tensor read at another version t
     group gets a write that cannot be replayed, so that values saved before it raise
     instead of being rebuilt without it, and later saves of it are stored. Checked at
     every recorded read and, for the block's live tensors, when the block closes.
+R11. [ a functional collective replays whole ] A functional collective
+    (``_c10d_functional``: all_reduce, all_gather_into_tensor, reduce_scatter_tensor) is
+    recorded and its output is a block tensor; its record op runs the collective and waits
+    for it (``_record.wrappers.Collective``), so a replay holds no pending work, and its
+    ``wait_tensor`` is not recorded (it returns its argument). A replayed collective is a
+    collective in backward: every rank of its group must replay the same collectives in the
+    same order, which holds when every rank runs the same program and the same plan.
+    Collectives that write their argument (``c10d``) stay kept (R2 [ kept ops are not recorded ]).
+R12. [ wrappers of block tensors are block tensors ] A wrapper subclass (DTensor,
+    ``AsyncCollectiveTensor``) no op returned, read by a recorded op, whose inner tensors are
+    this block's tensors (``DTensor.from_local``, ``redistribute``, a collective's async
+    result) is a block tensor made by a ``REWRAP`` of them; each inner tensor of a wrapper
+    block tensor (a DTensor's local tensor, which ``to_local`` views) is a block tensor made
+    by an ``INNER`` of it (``_record.wrappers``). Both share their source's storage group
+    with a version counter of their own (the group's loose members).
 """
 
 from __future__ import annotations
@@ -72,8 +88,19 @@ from . import registry as _registry
 from .context import running_module_path
 from .registry import _LIVE, Ledger, register
 from .types import NO_KWARGS, BlockOwner, BlockRecord, Frame, Group, Input, MetaArg, OpRecord, Ref, Var, new_var
+from .wrappers import collective, note_inner, rewrapped, wrapper
 
-__all__ = ["OpenBlock", "Unrecordable", "run_unrecorded", "note_context", "unseen", "has_tensor"]
+__all__ = [
+    "OpenBlock",
+    "Unrecordable",
+    "run_unrecorded",
+    "note_context",
+    "unseen",
+    "has_tensor",
+    "outside",
+    "note_inner",
+    "rewrapped",
+]
 
 Tensor = torch.Tensor
 _new_tuple = tuple.__new__
@@ -220,7 +247,7 @@ class OpenBlock:
                     t: Tensor = a  # type: ignore[assignment]  # (narrowed by `e() is a`)
                     out.append(var if _version(t) == var.version else (unseen(self, var, t) or var))
                 else:
-                    out.append(self.inputs.of(a, e))
+                    out.append(outside(self, a, e))
             elif (type(a) is list or type(a) is tuple) and has_tensor(a):
                 out.append([self.ref(x) if isinstance(x, Tensor) else x for x in a])
             else:
@@ -232,7 +259,7 @@ class OpenBlock:
         if e is not None and e.frame.owner is self.owner and e() is t:
             var: Var = e  # type: ignore[assignment]
             return var if _version(t) == var.version else (unseen(self, var, t) or var)
-        return self.inputs.of(t, e)
+        return outside(self, t, e)
 
     # -- ops
 
@@ -241,7 +268,8 @@ class OpenBlock:
         frame = self.frame
         if f.context or (_has_float(args) and default_dtype() is not self.context[0]):
             note_context(self)  # R9 [ each op's numeric context ]
-        always = f.never_replay or (f.host_copy and kept_always(f, args, kwargs))  # R2 [ kept ops are not recorded ]
+        # R2 [ kept ops are not recorded ], R11 [ a functional collective replays whole ]
+        always = (f.never_replay and not f.collective) or (f.host_copy and kept_always(f, args, kwargs))
         kept = frame.save is not None and not f.writes and frame.keeps(func)
         if kept:
             frame.stats.ops_saved += 1
@@ -275,7 +303,8 @@ class OpenBlock:
         index = len(self.record.ops)
         for root, t in pre or ():
             self.unsettled.append((root, t, index))
-        _append(self, func, f, args, kwargs, rargs, rkwargs, rng, out)
+        # R11 [ a functional collective replays whole ]
+        _append(self, collective(func) if f.collective else func, f, args, kwargs, rargs, rkwargs, rng, out)
         return out
 
     @staticmethod
@@ -324,6 +353,23 @@ def _append(
     if f.dtype_arg and rkwargs.get("dtype") is None and isinstance(out, Tensor):
         rkwargs = {**rkwargs, "dtype": out.dtype}  # R4 [ dtype=None as resolved ]
     ops.append(_new_tuple(OpRecord, (func, rargs, rkwargs, rng, outs)))  # OpRecord(...), built in C
+    outputs = out if isinstance(out, (tuple, list)) else (out,)
+    for v, o in zip(outs, outputs):
+        if v is not None and type(o) is not Tensor:
+            note_inner(block, v, o)  # R12 [ wrappers of block tensors are block tensors ]
+
+
+def outside(block: OpenBlock, t: Tensor, entry: _registry.Entry | None) -> Ref:
+    """The ref of ``t``, read by an op of ``block`` and no tensor of it (``entry``: its registry
+    entry if another block made it): a wrapper of this block's tensors becomes one
+    (R12 [ wrappers of block tensors are block tensors ]), anything else an Input."""
+    # a dead entry at ``t``'s id (a tensor that died in an open block, its id reused) is no
+    # entry of ``t``: which ids are reused differs from process to process
+    if (entry is None or entry() is not t) and wrapper(t):
+        var = rewrapped(block, t)
+        if var is not None:
+            return var
+    return block.inputs.of(t, entry)
 
 
 def _decide_after(block: OpenBlock, func: Any, f: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -4,7 +4,7 @@ The recorder exists only while a block is open in a thread. It hands each op
 to the innermost open block's :class:`~gradient_scope._entry.OpenBlock`,
 which appends an ``OpRecord`` ``(func, args, kwargs, rng, outs)`` to the
 block's ``BlockRecord`` (see ``_record.types``); the op list never changes once the
-block is closed. The rules a recording keeps (R1..R10) are in ``_record.entry``.
+block is closed. The rules a recording keeps (R1..R12) are in ``_record.entry``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,17 @@ from .._base.torch_compat import (
     skip_dynamo,
 )
 from . import registry as _registry
-from .entry import OpenBlock, Unrecordable, has_tensor, note_context, run_unrecorded, unseen
+from .entry import (
+    OpenBlock,
+    Unrecordable,
+    has_tensor,
+    note_context,
+    note_inner,
+    outside,
+    rewrapped,
+    run_unrecorded,
+    unseen,
+)
 from .registry import _LIVE, register
 from .types import NO_KWARGS, BlockOwner, BlockRecord, Frame, Input, OpRecord, Var, new_var
 
@@ -45,6 +55,7 @@ __all__ = [
     "paused",
     "suspended",
     "reinstated",
+    "adopt",
 ]
 
 Tensor = torch.Tensor
@@ -93,7 +104,7 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
                 rargs.append(var if same else (unseen(block, var, t) or var))  # R10 [ an unseen write makes an Input ]
             else:
                 try:
-                    rargs.append(block.inputs.of(a, e))
+                    rargs.append(outside(block, a, e))
                 except Unrecordable:
                     return run_unrecorded(block, func, f, args, NO_KWARGS)
         elif type(a) is list or type(a) is tuple:
@@ -115,6 +126,8 @@ def _record_op(self: Recorder, func: Any, types: Any, args: tuple[Any, ...] = ()
         else:
             outs = _hot_var(block, f, frame, out, rargs, len(ops))
     ops.append(_new_tuple(OpRecord, (func, rargs, NO_KWARGS, None, outs)))
+    if outs and type(out) is not Tensor and outs[0] is not None:
+        note_inner(block, outs[0], out)  # R12 [ wrappers of block tensors are block tensors ]
     return out
 
 
@@ -238,6 +251,19 @@ def close_block(block: OpenBlock, aborted: bool) -> bool:
                 remove_mode_from_under(r)
                 return False
     return True
+
+
+def adopt(t: Tensor) -> Var | None:
+    """R12 [ wrappers of block tensors are block tensors ] for a wrapper autograd saves before
+    any op reads it (autograd saves an op's inputs before the op reaches the recorder): its
+    Var in this thread's innermost open block, if it wraps that block's tensors; else None."""
+    r: Recorder | None = getattr(_tls, "recorder", None)
+    if r is None or r.paused or not r.blocks:
+        return None
+    block = r.blocks[-1]
+    if block.task != current_graph_task():  # R3 [ backward's ops are not the block's ]
+        return None
+    return rewrapped(block, t)
 
 
 def settle() -> None:

@@ -18,6 +18,7 @@ class Totals(NamedTuple):
     recomputable: int
     held_by_scopes: int
     offloaded: int = 0  # moved to host memory by a budget
+    collectives: tuple[tuple[str, int], ...] = ()  # (name, count) the saved handles' replays run
 
 
 def fmt_bytes(n: int) -> str:
@@ -102,6 +103,9 @@ def table(rows: list[SavedTensorsRow], totals: Totals, by: str | None, top: int 
     text = f"{text}\nheld by scopes for replay (not saved by autograd): {fmt_bytes(totals.held_by_scopes)}"
     if totals.offloaded:
         text += f"\noffloaded to host memory by a budget (not on the device): {fmt_bytes(totals.offloaded)}"
+    if totals.collectives:
+        named = ", ".join(f"{name} x{n}" for name, n in totals.collectives)
+        text += f"\ncollectives replayed in backward: {named}"
     return text
 
 

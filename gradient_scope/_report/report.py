@@ -43,6 +43,7 @@ from .._base.torch_compat import (
 from .._budget.offload import Offloaded, evicted_bytes
 from .._record.registry import lookup
 from .._record.types import Input
+from .._record.wrappers import is_collective
 from .._save.pack import Foreign, Stored, add_pack_listener, add_store_listener, unpack
 from .format import Totals, diff_table, fmt_bytes, table
 from .tally import SavedTensorsRow, Tally, held_outside
@@ -82,6 +83,7 @@ class _Observer:
         self.handled = 0  # id() of the tensor a scope just turned into a handle
         self.cleanup: list[Callable[[], None]] = []
         self.states: dict[int, weakref.ref[Any]] = {}  # replay states of the blocks seen
+        self.replaying: dict[int, weakref.ref[Any]] = {}  # those whose handles autograd saved
         self.made: dict[int, Any] = {}  # the op tracker's storages made in the block
 
     # -- where and what
@@ -155,7 +157,10 @@ class _Observer:
                 if offloaded:
                     self._note_block(t)
             self.handled = id(t)
-            self._note_state(getattr(handle, "state", None))
+            state = getattr(handle, "state", None)
+            self._note_state(state)
+            if not offloaded and state is not None:
+                self.replaying[id(state)] = weakref.ref(state)
 
     def on_scope_store(self, t: torch.Tensor, state: Any) -> None:
         # A budget's plan stored ``t``: it is counted as stored where it reaches a pack
@@ -171,12 +176,7 @@ class _Observer:
 
     def held(self) -> int:
         """Bytes the blocks seen keep alive for replay that autograd does not store."""
-        records = []
-        for ref in self.states.values():
-            state = ref()
-            record = getattr(state, "record", None)
-            if record is not None:
-                records.append(record)
+        records = [r for r in (getattr(ref(), "record", None) for ref in self.states.values()) if r is not None]
         old = self.modules.state_keys()
         made = self.made
 
@@ -255,6 +255,19 @@ class _Observer:
             raise error
 
 
+def _replayed_collectives(states: dict[int, weakref.ref[Any]]) -> tuple[tuple[str, int], ...]:
+    """(name, count) of the functional collectives (``_record.wrappers.Collective``) in the
+    records of the blocks whose handles autograd saved: what their replays run in backward,
+    in the order first recorded."""
+    counts: dict[str, int] = {}
+    for ref in states.values():
+        record = getattr(ref(), "record", None)
+        for rec in record.ops if record is not None else ():
+            if is_collective(rec.func):
+                counts[str(rec.func)] = counts.get(str(rec.func), 0) + 1
+    return tuple(counts.items())
+
+
 def _offloaded_inputs(states: dict[int, weakref.ref[Any]]) -> int:
     """Bytes of the outside tensors the blocks seen keep for replay that a budget
     offloaded in place (each storage once)."""
@@ -311,6 +324,7 @@ class SavedTensorsReport:
             sum(r.recomputable_bytes for r in rows),
             self._observer.held(),
             sum(r.offloaded_bytes for r in rows) + _offloaded_inputs(self._observer.states),
+            _replayed_collectives(self._observer.replaying),
         )
         if self._state == "done":
             self._result = totals, rows
@@ -355,6 +369,30 @@ class SavedTensorsReport:
         a budget, ``activation_bytes + held_by_scopes_bytes + offloaded_bytes`` is what
         the forward leaves, on the device and off it."""
         return self._compute()[0].offloaded
+
+    @property
+    def replayed_collectives(self) -> dict[str, int]:
+        """The functional collectives that the replays of the scopes whose handles were
+        saved run in backward, by name (``"_c10d_functional::all_reduce"``), with how many
+        each (one per recorded call, over all those blocks); empty without tensor
+        parallelism. Collectives that a DTensor op runs inside its own dispatch (sharding
+        propagation's redistributes) replay inside that op and are not listed. Every
+        collective recorded in those blocks counts, also one whose output a memory budget
+        stores.
+
+        Example::
+
+            >>> import torch
+            >>> from gradient_scope import recompute_scope, saved_tensors_report
+            >>> w = torch.randn(8, 8, requires_grad=True)
+            >>> with saved_tensors_report() as report:
+            ...     with recompute_scope():
+            ...         h = torch.tanh(w)
+            ...     loss = (h * w).sum()
+            >>> report.replayed_collectives   # no collective in the block
+            {}
+        """
+        return dict(self._compute()[0].collectives)
 
     @property
     def rows(self) -> list[SavedTensorsRow]:
@@ -424,6 +462,7 @@ class SavedTensorsReport:
         finally:
             self._compute()  # the totals as they are when the block ends
             self._observer.states.clear()
+            self._observer.replaying.clear()
             self._observer.made = {}
 
 

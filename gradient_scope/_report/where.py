@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
 from .._base.lines import Location, user_line
+from .._base.subclass import data_tensor, data_tensors, is_wrapper
 from .._base.torch_compat import storage_id
 
 __all__ = ["ModuleStack", "OpTracker", "NO_MODULE", "Location", "op_name", "python_caller", "storage_of", "user_line"]
@@ -45,20 +46,31 @@ _compiling: Callable[[], bool] = torch.compiler.is_compiling
 
 
 def storage_of(t: Tensor) -> tuple[int, Any, int]:
-    """(key, weak reference, bytes) of the memory ``t`` keeps alive."""
+    """(key, weak reference, bytes) of the memory ``t`` keeps alive. A wrapper subclass
+    (a DTensor) is its local data: the key and weak reference of its first inner
+    tensor's storage, the bytes of its inner storages (its own storage is a
+    placeholder of the global size, ``_base.subclass``)."""
+    data = data_tensor(t)
     try:
-        storage = t.untyped_storage()
+        storage = data.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         storage = None
     if storage is None:
         # No storage (sparse, some subclasses): the tensor's logical size, per tensor object.
-        return -id(t), weakref.ref(t), t.numel() * t.element_size()
-    return storage_id(t), StorageWeakRef(storage), storage.nbytes()
+        return -id(t), weakref.ref(t), data.numel() * data.element_size()
+    nbytes = storage.nbytes()
+    if is_wrapper(t):
+        seen = {storage_id(data)}
+        for d in data_tensors(t):
+            if storage_id(d) not in seen:
+                seen.add(storage_id(d))
+                nbytes += d.untyped_storage().nbytes()
+    return storage_id(data), StorageWeakRef(storage), nbytes
 
 
 def _key(t: Tensor) -> int:
     try:
-        return storage_id(t)
+        return storage_id(data_tensor(t))
     except (RuntimeError, NotImplementedError, TypeError):
         return -id(t)
 

@@ -5,7 +5,7 @@ held by its handles and by its live tensors' registry entries, so that it and
 the record die as soon as backward no longer needs the block). Which ops a
 replay runs, and running them, is ``_restore.replay``'s.
 
-RULES P1..P10: what a replay keeps.
+RULES P1..P11: what a replay keeps.
 
 P1. [ only the closure runs ] Only the recorded ops in the dependency closure of the
     requested value run, in recorded order, below autograd (no graph is built) with grad
@@ -68,6 +68,14 @@ P10. [ a pass without a graph marks use ] A backward pass that unpacks a block's
     without building a graph (no ``create_graph``) marks the block used once the pass
     has ended: a budget's step then no longer waits for it, though a retained graph
     keeps its handles (``_budget.budget`` M2 [ what a step is ]).
+P11. [ a replay that communicates reads no liveness ] A block whose record holds a
+    collective (``_record.wrappers.Collective``: tensor parallelism's redistributions, a
+    functional collective) is replayed from its record, the pass's cache and what a
+    budget stored only: no value in memory serves its handles or cuts its replays
+    (P3 [ values in memory are used ] does not apply). What is alive differs by rank --
+    a reference cycle one rank's garbage collector has freed and another's not yet --
+    and every rank of the group must run the same collectives in the same order, or
+    they wait on each other for ever.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ from .._base.torch_compat import (
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
+from . import communicate as _communicate
 from .replay import Derived, replay, restore_freed, same_values
 
 __all__ = ["Handle", "ReplayState", "materialize"]
@@ -156,7 +165,10 @@ def materialize(h: Handle) -> Tensor:
         raise inplace_error(f"{t.type()} {list(t.shape)}", h.version, t._version)
     h.state.touched()
     # Most block tensors are dead in backward, with no alias: nothing in memory then.
-    t = value_in_memory(var, h.version) if h.check is None and (t is not None or var.aliases) else None
+    if h.check is None and (t is not None or var.aliases) and not h.state.communicates():
+        t = value_in_memory(var, h.version)
+    else:  # P11 [ a replay that communicates reads no liveness ]
+        t = None
     if t is not None and storage_freed(t) and not restore_freed(t):
         t = None  # emptied by someone we cannot ask (P9 [ stored values serve replays ]): replay it
     if t is not None and not h.itself and moved(var, t):
@@ -320,7 +332,20 @@ class ReplayState(_Stored):
     cache, what replay derives from its record. Only this class writes them, under
     ``lock``."""
 
-    __slots__ = ("record", "lock", "pending", "handles", "current", "derived", "stats", "site", "timer", "__weakref__")
+    __slots__ = (
+        "record",
+        "lock",
+        "pending",
+        "handles",
+        "current",
+        "derived",
+        "stats",
+        "site",
+        "timer",
+        "collective",
+        "communicating",
+        "__weakref__",
+    )
 
     def __init__(self, record: BlockRecord) -> None:
         self.record: BlockRecord | None = record  # None once released (P7 [ the record lives with its handles ])
@@ -337,6 +362,12 @@ class ReplayState(_Stored):
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
+        # whether the closed record holds a collective (None: not looked at yet)
+        # (P11 [ a replay that communicates reads no liveness ])
+        self.collective: bool | None = None
+        # slot -> whether its replay runs a collective; made for a record that has one (an
+        # empty dict per block would change when the garbage collector runs)
+        self.communicating: dict[int, bool] | None = None
         # P9 [ stored values serve replays ]: what a budget stored, by id (weakly: autograd owns
         # it; each has ``var``, ``view`` and ``alias``, the stored tensor, or None where the
         # pair below ours holds it), and what it offloaded (the packed object: no ``alias``).
@@ -352,6 +383,18 @@ class ReplayState(_Stored):
         # a pass that built no graph used the block and has ended
         # (P10 [ a pass without a graph marks use ])
         self.used = False
+
+    def communicates(self) -> bool:
+        """Whether a replay of the block may run a collective
+        (P11 [ a replay that communicates reads no liveness ])."""
+        known = self.collective
+        return known if known is not None else _communicate.communicates(self)
+
+    def replay_communicates(self, var: Var) -> bool:
+        """Whether a replay of ``var`` from the block's inputs alone runs a collective
+        (``_save.pack`` S1 [ block tensors become handles ] stores such a value saved after
+        its block closed)."""
+        return self.communicates() and _communicate.replay_communicates(self, var)
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of this block's values, or is what
@@ -410,7 +453,8 @@ class ReplayState(_Stored):
             ps = self._pass(task) if task != -1 else None
             if ps is None:
                 with _Replaying():
-                    return replay(record, self.derived, var, _with_kept(self.kept, {}), (), self._stats(var))[0]
+                    kept = _with_kept(self.kept, {})
+                    return replay(record, self.derived, var, kept, (), self._stats(var), not self.communicates())[0]
             key = (var, len(writes))
             cached = ps.cache.get(key)
             if cached is not None:
@@ -421,7 +465,8 @@ class ReplayState(_Stored):
             ps.drop_written()
             with _Replaying():
                 cache = _with_kept(self.kept, ps.cache)
-                value, holds = replay(record, self.derived, var, cache, _wanted(ps, h), self._stats(var))
+                live = not self.communicates()  # P11 [ a replay that communicates reads no liveness ]
+                value, holds = replay(record, self.derived, var, cache, _wanted(ps, h, live), self._stats(var), live)
             hold = ps.hold
             for holder, key, v in holds:
                 hold(holder, key, v)
@@ -516,10 +561,11 @@ class _Replaying:
             self.paused.__exit__()
 
 
-def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
+def _wanted(ps: _Pass, h: Handle, live: bool) -> list[tuple[Var, Handle]]:
     """The values the other pending handles of the pass will ask for that are
     neither cached nor in memory (P4 [ each op at most once per pass ]), with the handle that
-    will ask."""
+    will ask. ``live``: whether values in memory serve them
+    (P11 [ a replay that communicates reads no liveness ])."""
     out: list[tuple[Var, Handle]] = []
     cache = ps.cache
     for ref in list(ps.pending.values()):
@@ -533,7 +579,8 @@ def _wanted(ps: _Pass, h: Handle) -> list[tuple[Var, Handle]]:
         # A value in memory serves h2 (P3 [ values in memory are used ]), except with
         # debug=True, which replays: then h2 shares this replay's value, as its tensor shares
         # storage in plain. (Most tensors are dead in backward, with no alias: nothing to look up.)
-        if (n2() is not None or n2.aliases) and h2.check is None and value_in_memory(n2, h2.version) is not None:
+        in_memory = live and (n2() is not None or n2.aliases) and h2.check is None
+        if in_memory and value_in_memory(n2, h2.version) is not None:
             continue
         out.append((n2, h2))
     return out

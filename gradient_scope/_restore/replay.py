@@ -175,8 +175,10 @@ def replay(
     cache: dict[Key, Tensor],
     wanted: Sequence[tuple[Var, H]],
     stats: ScopeStats,
+    live: bool = True,
 ) -> tuple[Tensor, list[tuple[H, Key, Tensor]]]:
-    """Rebuild ``target`` (P1 [ only the closure runs ]): values in ``cache`` or alive are not
+    """Rebuild ``target`` (P1 [ only the closure runs ]): values in ``cache``, or alive where
+    ``live`` (else P11 [ a replay that communicates reads no liveness ]), are not
     rebuilt. ``wanted`` lists the values other pending handles of the pass will ask for
     (P4 [ each op at most once per pass ]); returns the value and ``(holder, key, value)`` for
     each wanted value this replay made on the way: what the pass keeps. The pass is counted in
@@ -193,6 +195,8 @@ def replay(
         r = refs[s]  # a Var: a weak reference to its tensor, dead for most values in backward
         if (r, 0) in cache:
             return True
+        if not live:
+            return False
         v = live_value(r) if r() is not None else None  # type: ignore[arg-type,operator]
         if v is not None:
             alive.append(v)

@@ -7,8 +7,12 @@ S1. [ block tensors become handles ] A block tensor, or a view of one, saved whi
     :class:`~gradient_scope._restore.handles.Handle` -- unless it must be stored: its
     block's record is released (P7 [ the record lives with its handles ]), another
     member of its storage group may be written unseen
-    (P8 [ groups of separate counters ]), or it changed in a way the block did not
-    record (its data swapped, or a write after the block).
+    (P8 [ groups of separate counters ]), it changed in a way the block did not
+    record (its data swapped, or a write after the block), or it is saved after its
+    block closed and its replay would run a collective (tensor parallelism: the next
+    block's or the loss's save of a block output is kept, as ``torch.utils.checkpoint``
+    keeps its output, and no rank replays a collective for it; ``_restore.handles``
+    P11 [ a replay that communicates reads no liveness ]).
 S2. [ anything else as without the scope ] Anything else goes to the pair below ours,
     exactly as without the scope (its pack is not recorded: it is not the block's
     computation). With no pair below it is stored as autograd stores it: the tensor
@@ -60,6 +64,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 
 from .._base.errors import inplace_error, internal_error
+from .._base.subclass import is_wrapper
 from .._base.torch_compat import HookPair, node_sequence_nr, sequence_nr, without_python_dispatch
 from .._record import recorder as _recorder
 from .._record.registry import Entry, lookup
@@ -213,6 +218,10 @@ def find(t: Tensor) -> tuple[Entry | None, ViewSpec | None, bool]:
     entry = lookup(t)
     if entry is not None:
         return entry, None, True
+    if type(t) is not Tensor and not t.is_nested and is_wrapper(t):
+        var = _recorder.adopt(t)  # R12 [ wrappers of block tensors are block tensors ]
+        if var is not None:
+            return var, None, True
     base = t._base
     if base is None:
         return None, None, False
@@ -248,6 +257,8 @@ def replayable(entry: Entry, t: Tensor, view: ViewSpec | None) -> Var | None:
     writes = root.writes
     if t._version != (writes[-1][1] if writes else var.version):
         return None  # changed by something the block did not record (e.g. after it)
+    if owner.replay_communicates(var):
+        return None  # saved after its block, and its replay would run a collective: kept, as checkpoint keeps it
     return var
 
 

@@ -264,6 +264,7 @@ SEAMS = (
     "set_traced_block",
     "set_steady_runner",
     "set_calibration",
+    "add_shared_check",
 )
 
 

@@ -73,7 +73,15 @@ def probe(model, x, backend=None, seed=1):
             backend.drain()  # the copies out have run (a device copy finishes during forward)
         return out
 
-    out, held, peak = measure(forward, lambda o: o.square().sum().backward(), x.device)
+    # The collector stays off in the window: a cycle of an earlier step that it frees
+    # during forward would be counted as a negative allocation of this step.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out, held, peak = measure(forward, lambda o: o.square().sum().backward(), x.device)
+    finally:
+        if was_enabled:
+            gc.enable()
     held -= out.untyped_storage().nbytes()
     return held, peak, [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
 

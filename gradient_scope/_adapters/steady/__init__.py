@@ -44,4 +44,9 @@ a steady rule or cannot arise in a steady run (checked: ``tests/package/test_rul
   under the numeric context it was recorded in (T1 [ one plain block ]: one context).
 - R10 [ an unseen write makes an Input ] -- T1 [ one plain block ]: a record with such a
   write has no template.
+- R11 [ a functional collective replays whole ] -- does not apply in tested use: tensor
+  parallel blocks read DTensor parameters, outside wrapper tensors, and T1 [ one plain block ]
+  gives such a record no template; a steady block with a collective on plain tensors is untested.
+- R12 [ wrappers of block tensors are block tensors ] -- T1 [ one plain block ]: a block that
+  reads a wrapper subclass from outside has no template.
 """
