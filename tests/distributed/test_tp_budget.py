@@ -21,13 +21,13 @@ One subprocess, bounded by a timeout (a hang fails the test), spawns the ranks.
 import contextlib
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from support import ROOT, TESTS
+from support import ROOT
+from support.tp import guarded, ranks_results, spawn_ranks
 
 TIMEOUT = 240
 WORLD = 2
@@ -155,17 +155,6 @@ def _mismatch(rank, layout):
     return _train(rank, True, layout, layers=3 if rank == 0 else 2)
 
 
-def _guarded(fn, *args, **kwargs):
-    import torch.distributed as dist
-
-    try:
-        out = fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        out = {"error": f"{type(e).__name__}: {e}"}
-    dist.barrier()
-    return out
-
-
 def _worker(rank, port, outdir):
     import warnings
 
@@ -177,12 +166,12 @@ def _worker(rank, port, outdir):
     try:
         results = {}
         for layout in ("fsdp", "tp"):
-            results[layout] = {s: _guarded(_train, rank, s, layout) for s in (False, True)}
-            results[f"{layout}_mismatch"] = _guarded(_mismatch, rank, layout)
-        results["ddp_mismatch"] = _guarded(_local_mismatch, rank)
-        results["comm"] = _guarded(_comm_rates, rank)
-        results["recipe"] = _guarded(_recipe, rank)
-        results["sp_collectives"] = _guarded(_sp_collectives, rank)
+            results[layout] = {s: guarded(_train, rank, s, layout) for s in (False, True)}
+            results[f"{layout}_mismatch"] = guarded(_mismatch, rank, layout)
+        results["ddp_mismatch"] = guarded(_local_mismatch, rank)
+        results["comm"] = guarded(_comm_rates, rank)
+        results["recipe"] = guarded(_recipe, rank)
+        results["sp_collectives"] = guarded(_sp_collectives, rank)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -305,12 +294,6 @@ def _sp_collectives(rank):
     return out
 
 
-def _main(port, outdir):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(port, outdir), nprocs=WORLD, join=True)
-
-
 # ----------------------------------------------------------------------------------------
 # test side
 
@@ -318,18 +301,7 @@ def _main(port, outdir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("tp_budget")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(_free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,  # a hang fails here
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks_results(__file__, outdir, WORLD, TIMEOUT)
 
 
 def _ok(res, what):
@@ -460,4 +432,4 @@ def test_a_collective_is_priced_by_its_groups_measured_rates_and_local_bytes():
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), sys.argv[2])
+    spawn_ranks(_worker, WORLD)

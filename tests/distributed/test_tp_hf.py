@@ -14,14 +14,11 @@ One subprocess (bounded by a timeout) spawns the ranks; they ``torch.save`` resu
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import ROOT, TESTS
-from support.tp import StorageWatch, free_port
+from support.tp import StorageWatch, guarded, ranks_results, spawn_ranks
 
 TIMEOUT = 240
 WORLD = 2
@@ -91,19 +88,6 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _guarded(fn, *args):
-    import torch.distributed as dist
-
-    try:
-        out = fn(*args)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        out = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"}
-    dist.barrier()
-    return out
-
-
 def _worker(rank, port, outdir):
     import warnings
 
@@ -113,7 +97,7 @@ def _worker(rank, port, outdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = {enabled: _guarded(_run, rank, enabled) for enabled in (False, True)}
+        results = {enabled: guarded(_run, rank, enabled) for enabled in (False, True)}
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -127,18 +111,7 @@ def _worker(rank, port, outdir):
 def ranks(tmp_path_factory):
     pytest.importorskip("transformers")
     outdir = tmp_path_factory.mktemp("tp_hf")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,  # a hang fails here
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks_results(__file__, outdir, WORLD, TIMEOUT)
 
 
 def _ok(res, what):
@@ -168,6 +141,4 @@ def test_hf_enable_on_a_tp_llama_holds_less_than_plain_tp(ranks):
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD)

@@ -15,14 +15,11 @@ turns a hang into an error the test reports.
 
 import datetime
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import ROOT, TESTS
-from support.tp import CommCount, free_port
+from support.tp import CommCount, guarded, ranks_results, spawn_ranks
 
 TIMEOUT = 240
 WORLD = 2
@@ -95,17 +92,6 @@ def _train(rank, scoped):
     return res
 
 
-def _guarded(fn, *args):
-    import torch.distributed as dist
-
-    try:
-        out = fn(*args)
-    except Exception as e:  # noqa: BLE001
-        out = {"error": f"{type(e).__name__}: {e}"}
-    dist.barrier()
-    return out
-
-
 def _worker(rank, port, outdir):
     import warnings
 
@@ -117,17 +103,11 @@ def _worker(rank, port, outdir):
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timeout)
     try:
-        results = {"plain": _guarded(_train, rank, False)}
-        results["scoped"] = _guarded(_train, rank, True)
+        results = {"plain": guarded(_train, rank, False)}
+        results["scoped"] = guarded(_train, rank, True)
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _main(port, outdir):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(port, outdir), nprocs=WORLD, join=True)
 
 
 # ----------------------------------------------------------------------------------------
@@ -137,18 +117,7 @@ def _main(port, outdir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("tp_liveness")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks_results(__file__, outdir, WORLD, TIMEOUT)
 
 
 def test_ranks_holding_different_values_replay_the_same_collectives(ranks):
@@ -174,4 +143,4 @@ def test_ranks_holding_different_values_train_as_plain(ranks):
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), sys.argv[2])
+    spawn_ranks(_worker, WORLD)

@@ -14,14 +14,11 @@ One subprocess (bounded by a timeout) spawns the ranks; they ``torch.save`` resu
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import ROOT, TESTS
-from support.tp import CommCount, StorageWatch, free_port, local_bytes
+from support.tp import CommCount, StorageWatch, guarded, local_bytes, ranks_results, spawn_ranks
 
 TIMEOUT = 300
 WORLD = 2
@@ -194,19 +191,6 @@ def _run(rank, kind, mode):
     return res
 
 
-def _guarded(fn, *args):
-    import torch.distributed as dist
-
-    try:
-        out = fn(*args)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        out = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"}
-    dist.barrier()
-    return out
-
-
 def _worker(rank, port, outdir):
     import warnings
 
@@ -217,7 +201,7 @@ def _worker(rank, port, outdir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         results = {
-            kind: {mode: _guarded(_run, rank, kind, mode) for mode in MODES}
+            kind: {mode: guarded(_run, rank, kind, mode) for mode in MODES}
             for kind in ("attn_sp", "mlp", "mlp_dropout")
         }
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
@@ -232,18 +216,7 @@ def _worker(rank, port, outdir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("tp_ranks")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ranks_results(__file__, outdir, WORLD, TIMEOUT)
 
 
 def _ok(res, what):
@@ -306,6 +279,4 @@ def test_tp_backward_collectives_at_most_checkpoints(ranks, kind):
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD)

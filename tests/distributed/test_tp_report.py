@@ -6,14 +6,11 @@ One subprocess (bounded by a timeout) spawns 2 gloo ranks; they ``torch.save`` r
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import ROOT, TESTS
-from support.tp import StorageWatch, free_port, local_bytes
+from support.tp import StorageWatch, local_bytes, ranks_results, spawn_ranks
 
 TIMEOUT = 120
 WORLD = 2
@@ -113,18 +110,7 @@ def _worker(rank, port, outdir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     outdir = tmp_path_factory.mktemp("tp_report_ranks")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = ranks_results(__file__, outdir, WORLD, TIMEOUT)
     for r, res in enumerate(results):
         for mode, got in res.items():
             assert "error" not in got, f"rank {r} {mode}: {got['error']}"
@@ -158,6 +144,4 @@ def test_tp_report_names_replayed_collectives(ranks):
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD)

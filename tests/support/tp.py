@@ -1,17 +1,24 @@
 """Probes for tensor-parallel tests (``tests/distributed/test_tp_memory.py``)::
 
     from support.tp import StorageWatch, CommCount, local_bytes, free_port
+    from support.tp import guarded, spawn_ranks, ranks_results
 
 * ``StorageWatch``: a dispatch mode that notes the storage of every op's output (a wrapper's
   local tensors: DTensor's, by local bytes); ``held(exclude)`` is the bytes of those still
   alive, each storage once: what forward keeps (autograd's saves, a scope's records);
 * ``CommCount``: a dispatch mode counting the collectives that run under it, also those a
   DTensor op runs for its redistributions (it lets DTensor desugar first, as PyTorch's
-  ``CommDebugMode`` does) and those a replay runs.
+  ``CommDebugMode`` does) and those a replay runs;
+* ``ranks_results`` runs a test file as a script in a subprocess bounded by a timeout, which
+  spawns its ranks (``spawn_ranks``); each rank runs its parts under ``guarded`` (an error
+  becomes a result, then a barrier) and ``torch.save``s its results.
 """
 
 import gc
+import os
 import socket
+import subprocess
+import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -20,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from gradient_scope._base.subclass import data_tensors
 
-__all__ = ["StorageWatch", "CommCount", "local_bytes", "free_port"]
+__all__ = ["StorageWatch", "CommCount", "local_bytes", "free_port", "guarded", "spawn_ranks", "ranks_results"]
 
 
 def free_port():
@@ -75,3 +82,44 @@ class CommCount(TorchDispatchMode):
             self.n += 1
             self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def guarded(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a rank, or ``{"error": ...}`` with its traceback; then a
+    barrier, so that a rank that raised does not leave the others waiting."""
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        out = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-8)}"}
+    dist.barrier()
+    return out
+
+
+def spawn_ranks(worker, world):
+    """``python script PORT OUTDIR``'s body: ``world`` ranks of ``worker(rank, port, outdir)``."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=world, join=True)
+
+
+def ranks_results(script, outdir, world, timeout):
+    """Run ``script PORT OUTDIR`` in a subprocess bounded by ``timeout`` seconds (a hang fails
+    here); each rank's ``rank{r}.pt`` in ``outdir``."""
+    from support import ROOT, TESTS
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(script), str(free_port()), str(outdir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
