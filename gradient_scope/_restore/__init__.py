@@ -2,8 +2,9 @@
 
 - ``handles`` -- handles, each block's replay state and per-pass cache (RULES P1..P11:
   what a replay keeps).
-- ``communicate`` -- whether a block's replay runs a collective (P11: such a replay reads
-  no liveness; a value of it saved after its block is kept).
+- ``communicate`` -- whether a block's replay runs a collective (``handles``
+  P11 [ a replay that communicates reads no liveness ]; a value of it saved after its block
+  is kept).
 - ``replay`` -- the replay itself: which recorded ops rebuild a value, which values the
   pass keeps, running them (interpreted).
 - ``structure`` -- what replay derives once per record signature and shares among every
