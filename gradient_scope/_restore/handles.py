@@ -393,7 +393,11 @@ class ReplayState(_Stored):
     def replay_communicates(self, var: Var) -> bool:
         """Whether a replay of ``var`` from the block's inputs alone runs a collective
         (``_save.pack`` S1 [ block tensors become handles ] stores such a value saved after
-        its block closed)."""
+        its block closed). Asked of every save of a block tensor: an open record (a save
+        inside its block) answers before its ops are looked at."""
+        record = self.record
+        if record is None or record.open:
+            return False
         return self.communicates() and _communicate.replay_communicates(self, var)
 
     def note_kept(self, kept: Any) -> None:
