@@ -38,7 +38,9 @@ A5. [ the first step is checked before its backward ] Under tensor parallelism a
     could see it. At the end of a model forward (a model-level budget's region) every
     rank whose step has a shared block exchanges the agreement's vector, once, before any
     agreement; differing structures raise the same error there, before backward. A budget
-    given to scopes only (no model forward to close) is first checked at the next step.
+    given to scopes only (no model forward to close) is checked when that step's backward
+    is entered (``_save.interception`` I9 [ told before backward ]), before the engine runs
+    any replay: every rank enters its backward before the replays' collectives.
 
 Outside a distributed run (``torch.distributed`` not initialised, or one rank) nothing
 is exchanged.

@@ -89,6 +89,9 @@ class Run:
         self.digests: dict[tuple[Hashable, Any], tuple[int, bool]] = {}
         # whether a step's structure was exchanged (A5 [ the first step is checked before its backward ])
         self.checked = False
+        # the remover of the check at the next backward's entry, while one waits
+        # (A5 [ the first step is checked before its backward ])
+        self._check_at_backward: Callable[[], None] | None = None
         # the ended step the ranks have not agreed on yet (A2 [ agreed where every rank is ])
         self.unagreed: tuple[Any, ...] | None = None
 
@@ -207,7 +210,7 @@ class Run:
     def measured(self, bp: BlockPlan, record: BlockRecord) -> None:
         key = (bp.site, bp.keys)
         if key not in self.digests and _agree.world() is not None:
-            self.digests[key] = (_agree.digest(record), _agree.is_shared(record))
+            _digested(self, key, record)
         if key not in self.graphs:
             m = measure(record)
             g = BlockGraph(where(bp.site), costs(m, rates_for(m.device)), tuple(m.reads), tuple(m.producers),
@@ -299,9 +302,43 @@ def _collect_ended(self: Run) -> None:
             gc.collect()
 
 
+def _digested(self: Run, key: tuple[Hashable, Any], record: BlockRecord) -> None:
+    """A1 [ a shared block needs one plan ]: a measured block's digest and whether it is
+    shared; the first shared block of an unchecked run asks to be checked before backward
+    (A5 [ the first step is checked before its backward ])."""
+    self.digests[key] = (_agree.digest(record), _agree.is_shared(record))
+    if self.digests[key][1] and not self.checked and self._check_at_backward is None:
+        self._check_at_backward = _interception.add_before_backward(_checker(self))
+        weakref.finalize(self, self._check_at_backward)
+
+
+def _unwatch(self: Run) -> None:
+    """The check at the next backward's entry is no longer needed
+    (A5 [ the first step is checked before its backward ])."""
+    if self._check_at_backward is not None:
+        self._check_at_backward()
+        self._check_at_backward = None
+
+
+def _checker(self: Run) -> Callable[[], None]:
+    """A5 [ the first step is checked before its backward ] where no model forward ends
+    first (a budget given to scopes only): at the entry of the step's backward
+    (``_save.interception`` I9 [ told before backward ]). Holds the run weakly."""
+    ref = weakref.ref(self)
+
+    def check() -> None:
+        run = ref()
+        if run is None or run.open_regions:
+            return  # (a backward inside a model forward: the forward's end checks)
+        _check_first(run)
+
+    return check
+
+
 def _check_first(self: Run) -> None:
     """A5 [ the first step is checked before its backward ]: at the end of the first model
-    forward with a shared block, before any agreement."""
+    forward with a shared block, or at its backward's entry, before any agreement."""
+    _unwatch(self)
     if self.checked or _agree.world() is None:
         return
     blocks = [bp for bp in self.step if bp.keys is not None]
@@ -317,6 +354,7 @@ def _agree_pending(self: Run) -> None:
     pending, self.unagreed = self.unagreed, None
     if pending is not None:
         self.checked = True
+        _unwatch(self)
         _agree.agree(self, *pending)
 
 

@@ -2,7 +2,7 @@
 
 - ``interception`` -- the thread's saved-tensor hook pair, on the stack exactly while a
   block tensor lives; the only module that edits PyTorch's hook stack or patches PyTorch
-  (RULES I1..I8: the hook pair's invariants).
+  (RULES I1..I9: the hook pair's invariants).
 - ``pack`` -- the pack hook: a handle that stands for a block tensor, the tensor stored as
   autograd stores it, or what the pair below ours makes (RULES S1..S6: what a save
   becomes).

@@ -1,7 +1,7 @@
 """The thread's saved-tensor hook pair and its lifetime: the only module that edits
 PyTorch's saved-tensor hook stack or patches PyTorch.
 
-RULES I1..I8: the hook pair's invariants.
+RULES I1..I9: the hook pair's invariants.
 
 I1. [ one pair of ours while needed ] While a thread has an open block, a live block
     tensor or an open model region (``_save.pack``
@@ -55,6 +55,13 @@ I8. [ the main thread's pair, removed later ] When the last tensor of the main t
     edits the stack or enters a scope (then at the boundary after). Another thread's
     pair waits for that thread's next safe point: its next scope, backward or grad call,
     or torch.func call (I6 [ hooks disabled: the refusal ] sweeps first).
+I9. [ told before backward ] Callables registered with :func:`add_before_backward` run
+    when a backward pass is entered through ``torch.autograd.backward`` or ``grad``
+    (``Tensor.backward`` calls the former) outside any pass, while the patches of
+    I4 [ stacks edited at safe points only ] are in place, before the engine runs. A
+    budget's first-step agreement runs there, before any replay (``_budget.agree``
+    A5 [ the first step is checked before its backward ]). What one raises leaves the
+    pass unstarted and propagates to the caller.
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ from .._record import recorder as _recorder
 from .._record import registry as _registry
 from . import pack as _pack
 
-__all__ = ["ensure_on_top", "sweep", "next_serial", "add_unsafe_file", "on_empty"]
+__all__ = ["ensure_on_top", "sweep", "next_serial", "add_unsafe_file", "on_empty", "add_before_backward"]
 
 _serials = itertools.count(1)
 
@@ -242,9 +249,28 @@ def _explaining_refusal(inner: Callable[[str], None]) -> Callable[[str], None]:
     return disable
 
 
+# I9 [ told before backward ]
+_before_backward: list[Callable[[], None]] = []
+
+
+def add_before_backward(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` when the next backward pass is entered (I9 [ told before backward ]),
+    and at every one after until the returned remover is called."""
+    _before_backward.append(fn)
+
+    def remove() -> None:
+        if fn in _before_backward:
+            _before_backward.remove(fn)
+
+    return remove
+
+
 def _sweeping(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _before_backward and _threads_installed and current_graph_task() == -1:
+            for before in list(_before_backward):  # I9 [ told before backward ]
+                before()
         try:
             return fn(*args, **kwargs)
         finally:

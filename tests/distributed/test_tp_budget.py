@@ -12,6 +12,8 @@ group runs the same plan, 2 gloo processes on 127.0.0.1 (CPU).
   FSDP2, scopes two layers of three under TP) under a budget whose blocks communicate: both
   raise the same ``RuntimeError`` at the end of the first forward (A5), before a backward
   whose replays (TP collectives) would differ; none waits for the other.
+* A budget given to ``recompute_scope`` only, ranks with other structures: both raise the
+  same error when the first backward is entered (A5), before any replay.
 * A DDP-style program (no block communicates) whose ranks run other structures keeps each
   rank's own plan and trains.
 
@@ -155,6 +157,36 @@ def _mismatch(rank, layout):
     return _train(rank, True, layout, layers=3 if rank == 0 else 2)
 
 
+def _scopes_only(rank, layers):
+    """A budget given to ``recompute_scope`` only (no model forward ends before backward),
+    TP: rank 0 scopes the first ``layers[0]`` layers, rank 1 the first ``layers[1]``. The
+    first step's backward is where the ranks' replays would first run collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from gradient_scope import Budget, recompute_scope
+
+    model, _ = _net()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        parallelize_module(layer, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    budget = Budget(0)
+    gen = torch.Generator().manual_seed(100)
+    losses = []
+    for step in range(2):
+        h = torch.randn(4, DIM, generator=gen)
+        for i, layer in enumerate(model):
+            with recompute_scope(budget=budget) if i < layers[rank] else contextlib.nullcontext():
+                h = layer(h)
+        loss = _full(h).pow(2).mean()
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            raise RuntimeError(f"[step {step}'s backward] {e}") from e
+        losses.append(loss.detach())
+    return {"losses": losses}
+
+
 def _worker(rank, port, outdir):
     import warnings
 
@@ -169,6 +201,8 @@ def _worker(rank, port, outdir):
             results[layout] = {s: guarded(_train, rank, s, layout) for s in (False, True)}
             results[f"{layout}_mismatch"] = guarded(_mismatch, rank, layout)
         results["ddp_mismatch"] = guarded(_local_mismatch, rank)
+        results["scopes_only"] = guarded(_scopes_only, rank, (3, 3))
+        results["scopes_only_mismatch"] = guarded(_scopes_only, rank, (3, 2))
         results["comm"] = guarded(_comm_rates, rank)
         results["recipe"] = guarded(_recipe, rank)
         results["sp_collectives"] = guarded(_sp_collectives, rank)
@@ -342,6 +376,19 @@ def test_ranks_with_other_structures_raise_instead_of_hanging(ranks, layout):
     if layout == "tp":
         assert "rank 0: 3 blocks" in ranks[0]["tp_mismatch"]["error"]
         assert "rank 1: 2 blocks" in ranks[0]["tp_mismatch"]["error"]
+
+
+def test_a_budget_on_scopes_only_checks_the_first_step_at_its_backward(ranks):
+    """No model forward ends before the first backward: the ranks' structures are
+    exchanged when it is entered (A5), before any replay runs a collective."""
+    for rank, res in enumerate(ranks):
+        _ok(res["scopes_only"], f"rank {rank} (same structures)")
+        err = res["scopes_only_mismatch"].get("error", "")
+        # (before, the first step's replays ran unmatched collectives; the next step raised)
+        assert err.startswith("RuntimeError: [step 0's backward] "), f"rank {rank}: {res['scopes_only_mismatch']}"
+        assert "different scoped block structures" in err, err
+        assert "rank 0: 3 blocks" in err and "rank 1: 2 blocks" in err, err
+    _assert_equal_lists(ranks[0]["scopes_only"]["losses"], ranks[1]["scopes_only"]["losses"], "losses by rank")
 
 
 def test_ranks_whose_blocks_do_not_communicate_keep_their_own_plans(ranks):
