@@ -26,7 +26,9 @@ the same with and without scopes.
   ``checkpoint_wrapper`` per block); ``scoped`` (``apply_recompute`` per block); ``budget``
   (the same with a model-level ``Budget`` of half of plain's held bytes, each rank its
   own: the plan is agreed, rank 0's);
-* per row, on rank 0: held after forward and peak (the CPU probe, second of two runs),
+* per row, on rank 0: held after forward and peak (the CPU probe, second of two runs;
+  third of three in the ``--tp4`` table, whose budget rows agree their plan and measure
+  the process groups' rates in the second),
   collectives per step (``gloo:*`` events of the profiler in one forward + backward,
   the budget's plan agreement included), and step time (forward + backward, median of 5
   unprofiled steps after 2 warm-up steps).
@@ -77,8 +79,8 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _probe(forward: Any) -> tuple[int, int]:
-    for _ in range(2):
+def _probe(forward: Any, runs: int = 2) -> tuple[int, int]:
+    for _ in range(runs):
         _, held, peak = profile_cpu_memory(forward, lambda out: out.backward())
     return held, peak
 
@@ -239,7 +241,9 @@ def _tp_row(layout: str, strategy: str, batch: int, seq: int, d: int, budget: in
     def step() -> None:
         forward().backward()
 
-    held, peak = _probe(forward)
+    # the third step: a budget's first measures, its second agrees the plan and measures
+    # the process groups' rates (an all-gather of 1 MiB per rank, once per process)
+    held, peak = _probe(forward, runs=3)
     return held, peak, _collectives(step), _step_time(step)
 
 
