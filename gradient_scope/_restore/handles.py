@@ -101,7 +101,7 @@ from .._base.torch_compat import (
 from .._record import recorder as _recorder
 from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
-from . import communicate as _communicate
+from .._record.wrappers import is_collective
 from .replay import Derived, replay, restore_freed, same_values
 
 __all__ = ["Handle", "ReplayState", "materialize"]
@@ -342,8 +342,6 @@ class ReplayState(_Stored):
         "stats",
         "site",
         "timer",
-        "collective",
-        "communicating",
         "__weakref__",
     )
 
@@ -362,12 +360,6 @@ class ReplayState(_Stored):
         self.handles = 0  # live handles
         self.current: _Pass | None = None
         self.derived = Derived()  # what replay derives from the record, once closed
-        # whether the closed record holds a collective (None: not looked at yet)
-        # (P11 [ a replay that communicates reads no liveness ])
-        self.collective: bool | None = None
-        # slot -> whether its replay runs a collective; made for a record that has one (an
-        # empty dict per block would change when the garbage collector runs)
-        self.communicating: dict[int, bool] | None = None
         # P9 [ stored values serve replays ]: what a budget stored, by id (weakly: autograd owns
         # it; each has ``var``, ``view`` and ``alias``, the stored tensor, or None where the
         # pair below ours holds it), and what it offloaded (the packed object: no ``alias``).
@@ -387,8 +379,12 @@ class ReplayState(_Stored):
     def communicates(self) -> bool:
         """Whether a replay of the block may run a collective
         (P11 [ a replay that communicates reads no liveness ])."""
-        known = self.collective
-        return known if known is not None else _communicate.communicates(self)
+        record = self.record
+        if record is None:
+            return False
+        if record.open:  # (its ops still change: not derived yet)
+            return any(is_collective(rec.func) for rec in record.ops)
+        return self.derived.of(record)[0].collective
 
     def replay_communicates(self, var: Var) -> bool:
         """Whether a replay of ``var`` from the block's inputs alone runs a collective
@@ -398,7 +394,8 @@ class ReplayState(_Stored):
         record = self.record
         if record is None or record.open:
             return False
-        return self.communicates() and _communicate.replay_communicates(self, var)
+        st, slots = self.derived.of(record)
+        return st.communicates(slots.of[id(var)])
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of this block's values, or is what

@@ -33,6 +33,7 @@ import torch
 from .._base.torch_compat import overload_kernel
 from .._record.signature import Fill, Slots, fill, signature
 from .._record.types import BlockRecord
+from .._record.wrappers import is_collective
 
 __all__ = ["Fill", "Slots", "Structure", "Closure", "Program", "structure_of", "cached_structures"]
 
@@ -90,6 +91,8 @@ class Structure:
         "calls",
         "closures",
         "reads_of_memo",
+        "collective",
+        "communicating",
     )
 
     def __init__(self, record: BlockRecord, slots: Slots) -> None:
@@ -134,6 +137,11 @@ class Structure:
         self.group_writes: list[tuple[int, ...]] = [tuple(j for j, _ in r.root.writes) for r in slots.refs]
         self.closures: dict[int, tuple[Closure, ...]] = {}  # target slot -> plans known for it
         self.reads_of_memo: dict[int, tuple[tuple[int, int], ...]] = {}
+        # whether an op is a collective (``_restore.handles``
+        # P11 [ a replay that communicates reads no liveness ]); per slot, whether the ops
+        # that rebuild it from the inputs alone hold one
+        self.collective = any(is_collective(f) for f in self.funcs)
+        self.communicating: dict[int, bool] = {}
 
     def closure(self, target: int, available: Callable[[int], bool] | None) -> Closure:
         """The ops needed to rebuild slot ``target`` at the end of the record, sorted.
@@ -182,6 +190,16 @@ class Structure:
                         break
                     need[j] = 1
         return Closure(tuple(i for i in range(bound) if need[i]), tuple(asked), tuple(answers))
+
+    def communicates(self, target: int) -> bool:
+        """Whether rebuilding slot ``target`` from the block's inputs alone runs a collective."""
+        if not self.collective:
+            return False
+        found = self.communicating.get(target)
+        if found is None:
+            funcs = self.funcs
+            found = self.communicating[target] = any(is_collective(funcs[i]) for i in self.closure(target, None).plan)
+        return found
 
     def reads_of(self, target: int) -> tuple[tuple[int, int], ...]:
         """``(i, s)`` for each op ``i`` of the closure of ``target`` and each slot ``s``
