@@ -1,6 +1,7 @@
 """``.ci/run``'s second pass (``GRADIENT_SCOPE_FAST=1``) leaves out only the tests that cannot
 see the variable (``support.reach``): a function-form scope's call, a process started, or a
-fixture that did either marks a test as reaching it; a failed test is never left out.
+fixture that did either marks a test as reaching it, unless the test set the variable itself;
+a failed test is never left out.
 
 Each test here runs pytest on a small file in a fresh process (about 10 s)."""
 
@@ -65,6 +66,12 @@ PROGRAMS = textwrap.dedent(
         assert stepped is not None
 
 
+    def test_sets_the_variable_itself(monkeypatch):
+        monkeypatch.setenv("GRADIENT_SCOPE_FAST", "1")
+        x = torch.ones(3, requires_grad=True)
+        gs.checkpoint(layer, x).sum().backward()
+
+
     def test_plain_torch():
         assert torch.ones(2).sum() == 2
 
@@ -88,7 +95,7 @@ def _pytest(tmp_path, **env):
 def test_the_plain_pass_lists_which_tests_reach_the_steady_switch(tmp_path):
     listing = tmp_path / "reach.json"
     out = _pytest(tmp_path, GS_TESTS_REACH=str(listing))
-    assert "1 failed, 7 passed" in out.stdout, out.stdout + out.stderr
+    assert "1 failed, 8 passed" in out.stdout, out.stdout + out.stderr
     reached = {nodeid.split("::")[1]: r for nodeid, r in json.loads(listing.read_text()).items()}
     assert reached == {
         "test_function_form": True,
@@ -97,6 +104,7 @@ def test_the_plain_pass_lists_which_tests_reach_the_steady_switch(tmp_path):
         "test_spawned_process": True,
         "test_fixture_first": True,  # the module fixture ran in its setup
         "test_fixture_second": True,  # ... and serves this one
+        "test_sets_the_variable_itself": False,  # runs steady in both passes
         "test_plain_torch": False,
     }  # test_fails is not listed: it runs in the second pass
 
@@ -105,7 +113,7 @@ def test_the_fast_pass_runs_all_but_the_unreached(tmp_path):
     listing = tmp_path / "reach.json"
     _pytest(tmp_path, GS_TESTS_REACH=str(listing))
     out = _pytest(tmp_path, GS_TESTS_SKIP_UNREACHED=str(listing), GRADIENT_SCOPE_FAST="1")
-    assert "1 failed, 5 passed, 2 deselected" in out.stdout, out.stdout + out.stderr
+    assert "1 failed, 5 passed, 3 deselected" in out.stdout, out.stdout + out.stderr
 
 
 def test_ci_runs_the_second_pass_on_the_listing_of_the_first():

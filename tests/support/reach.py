@@ -10,7 +10,9 @@ elsewhere):
 * with ``GS_TESTS_REACH=<file>`` (the plain pass), every test whose phases all passed is
   written to ``<file>`` with whether it *reached* the variable: its setup, call or teardown
   read it or started a process, or it takes a fixture whose setup did either (a module
-  fixture runs in the first test's setup and serves the others);
+  fixture runs in the first test's setup and serves the others). A read made while the
+  test itself has set the variable to another value than the run's (the ``fast`` fixture,
+  ``monkeypatch.setenv``) is not a reach: that test runs the same code in both passes;
 * with ``GS_TESTS_SKIP_UNREACHED=<file>`` (the ``GRADIENT_SCOPE_FAST=1`` pass), the tests that
   ``<file>`` lists as passed without reaching it are deselected. Every other test runs: one
   that failed or was skipped in the first pass, one added since.
@@ -39,6 +41,7 @@ _PROCESS_EVENTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn"
 #: Set when the running test or fixture reads GRADIENT_SCOPE_FAST or starts a process.
 _flag = [False]
 _installed = [False]
+_outer: list[str | None] = [None]  # the run's GRADIENT_SCOPE_FAST, as the session started
 _reached: dict[str, bool] = {}  # nodeid -> whether the test itself reached it
 _fixtures_of: dict[str, tuple[str, ...]] = {}
 _reaching_fixtures: set[str] = set()
@@ -62,10 +65,11 @@ def _install() -> None:
     from gradient_scope._adapters.steady import run as steady_run
 
     real_switch = steady_run.switch
+    _outer[0] = os.environ.get(steady_run.FAST_VAR)
 
     def switch(name: str, what: str) -> bool | None:
-        if name == steady_run.FAST_VAR:
-            _flag[0] = True
+        if name == steady_run.FAST_VAR and os.environ.get(name) == _outer[0]:
+            _flag[0] = True  # (a value the test set itself is the same in both passes)
         return real_switch(name, what)
 
     steady_run.switch = switch  # the module global the steady decision calls by name
