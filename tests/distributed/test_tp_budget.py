@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from support import ROOT
-from support.tp import guarded, ranks_results, spawn_ranks
+from support.tp import guarded, ranks_results, sp_blocks, spawn_ranks
 
 TIMEOUT = 240
 WORLD = 2
@@ -270,33 +270,13 @@ def _recipe(rank):
 
 def _sp_collectives(rank):
     """Collectives per forward and per backward (the backend's ``gloo:`` profiler events) of
-    3 pre-norm MLP blocks under TP + sequence parallelism (``SequenceParallel`` norm,
-    fc1 colwise from a sequence-sharded input: an all-gather per block in forward), plain,
-    under torch's checkpoint per block, and with a scope per block."""
-    import torch.nn as nn
-    import torch.nn.functional as F
+    ``sp_blocks`` (an all-gather per block in forward), plain, under torch's checkpoint per
+    block, and with a scope per block."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
     from torch.profiler import ProfilerActivity, profile
 
     from gradient_scope import apply_recompute
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(DIM)
-            self.fc1 = nn.Linear(DIM, 4 * DIM)
-            self.fc2 = nn.Linear(4 * DIM, DIM)
-
-        def forward(self, x):
-            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
     def count(fn):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -307,15 +287,7 @@ def _sp_collectives(rank):
     mesh = init_device_mesh("cpu", (WORLD,))
     out = {}
     for strategy in ("plain", "checkpoint", "scoped"):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[Block() for _ in range(3)])
-        plan = {
-            "norm": SequenceParallel(),
-            "fc1": ColwiseParallel(input_layouts=Shard(1)),
-            "fc2": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        for block in model:
-            parallelize_module(block, mesh, plan)
+        model, Block = sp_blocks(mesh, DIM)
         if strategy == "checkpoint":
             for i in range(len(model)):
                 model[i] = checkpoint_wrapper(model[i])

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from support.tp import CommCount, guarded, ranks_results, spawn_ranks
+from support.tp import CommCount, guarded, ranks_results, sp_blocks, spawn_ranks
 
 TIMEOUT = 240
 WORLD = 2
@@ -31,37 +31,9 @@ DIM = 8
 
 
 def _model(mesh, scoped):
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
     from gradient_scope import apply_recompute
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(DIM)
-            self.fc1 = nn.Linear(DIM, 4 * DIM)
-            self.fc2 = nn.Linear(4 * DIM, DIM)
-
-        def forward(self, x):
-            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Block() for _ in range(3)])
-    plan = {
-        "norm": SequenceParallel(),
-        "fc1": ColwiseParallel(input_layouts=Shard(1)),
-        "fc2": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    for block in model:
-        parallelize_module(block, mesh, plan)
+    model, Block = sp_blocks(mesh, DIM)
     if scoped:
         apply_recompute(model, check_fn=Block)
     return model

@@ -1,7 +1,7 @@
 """Probes for tensor-parallel tests (``tests/distributed/test_tp_memory.py``)::
 
     from support.tp import StorageWatch, CommCount, local_bytes, free_port
-    from support.tp import guarded, spawn_ranks, ranks_results
+    from support.tp import guarded, spawn_ranks, ranks_results, sp_blocks
 
 * ``StorageWatch``: a dispatch mode that notes the storage of every op's output (a wrapper's
   local tensors: DTensor's, by local bytes); ``held(exclude)`` is the bytes of those still
@@ -9,6 +9,9 @@
 * ``CommCount``: a dispatch mode counting the collectives that run under it, also those a
   DTensor op runs for its redistributions (it lets DTensor desugar first, as PyTorch's
   ``CommDebugMode`` does) and those a replay runs;
+* ``sp_blocks(mesh, dim)``: 3 pre-norm MLP blocks under TP + sequence parallelism
+  (``SequenceParallel`` norm, fc1 colwise from a sequence-sharded input: an all-gather per
+  block in forward, fc2 rowwise to a sequence-sharded output: a reduce-scatter);
 * ``ranks_results`` runs a test file as a script in a subprocess bounded by a timeout, which
   spawns its ranks (``spawn_ranks``); each rank runs its parts under ``guarded`` (an error
   becomes a result, then a barrier) and ``torch.save``s its results.
@@ -27,7 +30,16 @@ from torch.utils._pytree import tree_flatten
 
 from gradient_scope._base.subclass import data_tensors
 
-__all__ = ["StorageWatch", "CommCount", "local_bytes", "free_port", "guarded", "spawn_ranks", "ranks_results"]
+__all__ = [
+    "StorageWatch",
+    "CommCount",
+    "local_bytes",
+    "free_port",
+    "guarded",
+    "spawn_ranks",
+    "ranks_results",
+    "sp_blocks",
+]
 
 
 def free_port():
@@ -82,6 +94,41 @@ class CommCount(TorchDispatchMode):
             self.n += 1
             self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def sp_blocks(mesh, dim):
+    """``(model, Block)``: 3 pre-norm MLP blocks of width ``dim`` (seeded: the same weights on
+    every call), each parallelised with TP + sequence parallelism over ``mesh``."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.fc1 = nn.Linear(dim, 4 * dim)
+            self.fc2 = nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(3)])
+    plan = {
+        "norm": SequenceParallel(),
+        "fc1": ColwiseParallel(input_layouts=Shard(1)),
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model:
+        parallelize_module(block, mesh, plan)
+    return model, Block
 
 
 def guarded(fn, *args, **kwargs):
