@@ -103,6 +103,7 @@ from .._record.registry import tensor_of, value_in_memory
 from .._record.types import BlockRecord, Var, ViewSpec, moved
 from .._record.wrappers import is_collective
 from .replay import Derived, replay, restore_freed, same_values
+from .structure import communicates
 
 __all__ = ["Handle", "ReplayState", "materialize"]
 
@@ -384,7 +385,7 @@ class ReplayState(_Stored):
             return False
         if record.open:  # (its ops still change: not derived yet)
             return any(is_collective(rec.func) for rec in record.ops)
-        return self.derived.of(record)[0].collective
+        return self.derived.of(record)[0].communicating is not None
 
     def replay_communicates(self, var: Var) -> bool:
         """Whether a replay of ``var`` from the block's inputs alone runs a collective
@@ -395,7 +396,7 @@ class ReplayState(_Stored):
         if record is None or record.open:
             return False
         st, slots = self.derived.of(record)
-        return st.communicates(slots.of[id(var)])
+        return communicates(st, slots.of[id(var)])
 
     def note_kept(self, kept: Any) -> None:
         """``kept`` (held by autograd) stores one of this block's values, or is what

@@ -35,7 +35,7 @@ from .._record.signature import Fill, Slots, fill, signature
 from .._record.types import BlockRecord
 from .._record.wrappers import is_collective
 
-__all__ = ["Fill", "Slots", "Structure", "Closure", "Program", "structure_of", "cached_structures"]
+__all__ = ["Fill", "Slots", "Structure", "Closure", "Program", "structure_of", "cached_structures", "communicates"]
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,6 @@ class Structure:
         "calls",
         "closures",
         "reads_of_memo",
-        "collective",
         "communicating",
     )
 
@@ -137,11 +136,10 @@ class Structure:
         self.group_writes: list[tuple[int, ...]] = [tuple(j for j, _ in r.root.writes) for r in slots.refs]
         self.closures: dict[int, tuple[Closure, ...]] = {}  # target slot -> plans known for it
         self.reads_of_memo: dict[int, tuple[tuple[int, int], ...]] = {}
-        # whether an op is a collective (``_restore.handles``
-        # P11 [ a replay that communicates reads no liveness ]); per slot, whether the ops
-        # that rebuild it from the inputs alone hold one
-        self.collective = any(is_collective(f) for f in self.funcs)
-        self.communicating: dict[int, bool] = {}
+        # None where no op is a collective, else per slot whether the ops that rebuild it from
+        # the inputs alone hold one (``_restore.handles``
+        # P11 [ a replay that communicates reads no liveness ])
+        self.communicating: dict[int, bool] | None = {} if any(map(is_collective, self.funcs)) else None
 
     def closure(self, target: int, available: Callable[[int], bool] | None) -> Closure:
         """The ops needed to rebuild slot ``target`` at the end of the record, sorted.
@@ -190,16 +188,6 @@ class Structure:
                         break
                     need[j] = 1
         return Closure(tuple(i for i in range(bound) if need[i]), tuple(asked), tuple(answers))
-
-    def communicates(self, target: int) -> bool:
-        """Whether rebuilding slot ``target`` from the block's inputs alone runs a collective."""
-        if not self.collective:
-            return False
-        found = self.communicating.get(target)
-        if found is None:
-            funcs = self.funcs
-            found = self.communicating[target] = any(is_collective(funcs[i]) for i in self.closure(target, None).plan)
-        return found
 
     def reads_of(self, target: int) -> tuple[tuple[int, int], ...]:
         """``(i, s)`` for each op ``i`` of the closure of ``target`` and each slot ``s``
@@ -266,6 +254,19 @@ _structures: dict[Hashable, Structure] = {}
 # while the entry lives): a steady-state run's record carries its template's key object
 # (``_adapters.steady``), found here without hashing a key of a few thousand items.
 _by_key_id: dict[int, tuple[Hashable, Structure]] = {}
+
+
+def communicates(st: Structure, target: int) -> bool:
+    """Whether rebuilding slot ``target`` of ``st`` from the block's inputs alone runs a
+    collective (``_restore.handles`` P11 [ a replay that communicates reads no liveness ])."""
+    known = st.communicating
+    if known is None:
+        return False
+    found = known.get(target)
+    if found is None:
+        funcs = st.funcs
+        found = known[target] = any(is_collective(funcs[i]) for i in st.closure(target, None).plan)
+    return found
 
 
 def structure_of(record: BlockRecord) -> tuple[Structure, Slots]:
