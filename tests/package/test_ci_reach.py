@@ -3,13 +3,16 @@ see the variable (``support.reach``): a function-form scope's call, a process st
 fixture that did either marks a test as reaching it, unless the test set the variable itself;
 a failed test is never left out.
 
-Each test here runs pytest on a small file in a fresh process (about 10 s)."""
+The tests run pytest on a small file in fresh processes (about 10 s each run); they set those
+processes' environment, so they are the same in both of ``.ci/run``'s passes."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from support import ROOT
 
@@ -72,6 +75,11 @@ PROGRAMS = textwrap.dedent(
         gs.checkpoint(layer, x).sum().backward()
 
 
+    @pytest.mark.fast_independent("its process is given its own environment")
+    def test_marked_independent():
+        subprocess.run([sys.executable, "-c", "pass"], check=True, env={})
+
+
     def test_plain_torch():
         assert torch.ones(2).sum() == 2
 
@@ -92,10 +100,21 @@ def _pytest(tmp_path, **env):
     return subprocess.run(cmd, cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_plain_pass_lists_which_tests_reach_the_steady_switch(tmp_path):
+@pytest.fixture(scope="module")
+def plain_pass(tmp_path_factory):
+    """The first pass over ``PROGRAMS``: its folder, listing and output."""
+    tmp_path = tmp_path_factory.mktemp("reach")
     listing = tmp_path / "reach.json"
-    out = _pytest(tmp_path, GS_TESTS_REACH=str(listing))
-    assert "1 failed, 8 passed" in out.stdout, out.stdout + out.stderr
+    return tmp_path, listing, _pytest(tmp_path, GS_TESTS_REACH=str(listing))
+
+
+_INDEPENDENT = pytest.mark.fast_independent("sets the environment of the pytest runs it starts")
+
+
+@_INDEPENDENT
+def test_the_plain_pass_lists_which_tests_reach_the_steady_switch(plain_pass):
+    _, listing, out = plain_pass
+    assert "1 failed, 9 passed" in out.stdout, out.stdout + out.stderr
     reached = {nodeid.split("::")[1]: r for nodeid, r in json.loads(listing.read_text()).items()}
     assert reached == {
         "test_function_form": True,
@@ -105,15 +124,16 @@ def test_the_plain_pass_lists_which_tests_reach_the_steady_switch(tmp_path):
         "test_fixture_first": True,  # the module fixture ran in its setup
         "test_fixture_second": True,  # ... and serves this one
         "test_sets_the_variable_itself": False,  # runs steady in both passes
+        "test_marked_independent": False,
         "test_plain_torch": False,
     }  # test_fails is not listed: it runs in the second pass
 
 
-def test_the_fast_pass_runs_all_but_the_unreached(tmp_path):
-    listing = tmp_path / "reach.json"
-    _pytest(tmp_path, GS_TESTS_REACH=str(listing))
+@_INDEPENDENT
+def test_the_fast_pass_runs_all_but_the_unreached(plain_pass):
+    tmp_path, listing, _ = plain_pass
     out = _pytest(tmp_path, GS_TESTS_SKIP_UNREACHED=str(listing), GRADIENT_SCOPE_FAST="1")
-    assert "1 failed, 5 passed, 3 deselected" in out.stdout, out.stdout + out.stderr
+    assert "1 failed, 5 passed, 4 deselected" in out.stdout, out.stdout + out.stderr
 
 
 def test_ci_runs_the_second_pass_on_the_listing_of_the_first():

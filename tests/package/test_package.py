@@ -98,6 +98,7 @@ def _import_with_torch_version(version: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.fast_independent("its processes only import the package")
 def test_import_raises_below_the_floor_and_works_at_it():
     old = _import_with_torch_version("2.7.1")
     assert old.returncode == 3, old.stdout + old.stderr

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -73,6 +74,7 @@ def _figures(fast: str, seed: str) -> list[str]:
     return done.stdout.split("\n")[:-1]
 
 
+@pytest.mark.fast_independent("sets GRADIENT_SCOPE_FAST for each process it starts")
 def test_the_steady_floor_is_the_recorded_floor_in_every_process():
     # Fresh processes: what varied was which dead saves' addresses the allocator had reused.
     # the recorded path's figures (GRADIENT_SCOPE_FAST=0): 3 x 32 KiB inputs kept for replay,

@@ -12,7 +12,9 @@ elsewhere):
   read it or started a process, or it takes a fixture whose setup did either (a module
   fixture runs in the first test's setup and serves the others). A read made while the
   test itself has set the variable to another value than the run's (the ``fast`` fixture,
-  ``monkeypatch.setenv``) is not a reach: that test runs the same code in both passes;
+  ``monkeypatch.setenv``) is not a reach: that test runs the same code in both passes; nor
+  is anything a test marked ``@pytest.mark.fast_independent("why")`` does (a test that
+  starts processes whose environment it sets itself, or that only imports the package);
 * with ``GS_TESTS_SKIP_UNREACHED=<file>`` (the ``GRADIENT_SCOPE_FAST=1`` pass), the tests that
   ``<file>`` lists as passed without reaching it are deselected. Every other test runs: one
   that failed or was skipped in the first pass, one added since.
@@ -46,6 +48,7 @@ _reached: dict[str, bool] = {}  # nodeid -> whether the test itself reached it
 _fixtures_of: dict[str, tuple[str, ...]] = {}
 _reaching_fixtures: set[str] = set()
 _not_passed: set[str] = set()
+_independent: set[str] = set()  # marked fast_independent: never a reach, fixtures included
 
 
 def _watching() -> bool:
@@ -95,6 +98,12 @@ def _parts(path: str) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "fast_independent(why): the test runs the same code whatever GRADIENT_SCOPE_FAST says "
+        "(it sets the variable for the processes it starts, or starts none that read it); "
+        ".ci/run's second pass leaves it out",
+    )
     if not _watching():
         return
     _install()
@@ -138,6 +147,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _take()
     yield
     _reached[item.nodeid] = _take()
+    if item.get_closest_marker("fast_independent") is not None:
+        _independent.add(item.nodeid)
     _fixtures_of[item.nodeid] = tuple(getattr(item, "fixturenames", ()))
 
 
@@ -156,7 +167,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     elif not _reached:  # the main process of an xdist run: the workers ran the tests
         return
     listed = {
-        nodeid: reached or any(name in _reaching_fixtures for name in _fixtures_of[nodeid])
+        nodeid: nodeid not in _independent
+        and (reached or any(name in _reaching_fixtures for name in _fixtures_of[nodeid]))
         for nodeid, reached in _reached.items()
         if nodeid not in _not_passed
     }
