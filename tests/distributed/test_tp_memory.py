@@ -179,7 +179,9 @@ def _run(rank, kind, mode):
         with watch:
             out = model(x)
             loss = (out.full_tensor() if isinstance(out, DTensor) else out).pow(2).mean()
-        res["held"].append(watch.held(exclude=[loss, x, *params]))
+        alive = watch.alive(exclude=[loss, x, *params])
+        res["held"].append(sum(n for _, n in alive))
+        res.setdefault("alive", []).append(alive)  # what a failure names
         res["input_bytes"] = local_bytes(x)
         with CommCount() as count:
             loss.backward()
@@ -249,7 +251,7 @@ def test_tp_scope_per_block_keeps_a_quarter_of_plain(ranks, kind):
         print(f"{kind} rank {r}: held after forward " + ", ".join(f"{m} {res[m]['held']}" for m in MODES))
         for step in range(STEPS):
             plain, scoped, ckpt = (res[m]["held"][step] for m in MODES)
-            assert scoped <= 0.25 * plain, (kind, r, step, scoped, plain)
+            assert scoped <= 0.25 * plain, (kind, r, step, scoped, plain, res["scoped"]["alive"][step])
             assert scoped <= ckpt, (kind, r, step, scoped, ckpt)
 
 

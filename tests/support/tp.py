@@ -56,7 +56,8 @@ def local_bytes(t):
 class StorageWatch(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.seen = {}  # data address -> (weak storage, bytes); a reused address is the newest
+        # data address -> (weak storage, bytes, the op that made it); a reused address is the newest
+        self.seen = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,14 +66,18 @@ class StorageWatch(TorchDispatchMode):
                 for d in data_tensors(t):
                     s = d.untyped_storage()
                     if s.nbytes():
-                        self.seen[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+                        self.seen[s.data_ptr()] = (StorageWeakRef(s), s.nbytes(), str(func))
         return out
 
     def held(self, exclude=()):
         """Bytes of the noted storages alive now, but those of ``exclude`` (tensors)."""
+        return sum(n for _, n in self.alive(exclude))
+
+    def alive(self, exclude=()):
+        """``(op, bytes)`` of each noted storage alive now, but those of ``exclude``."""
         gc.collect()
         skip = {d.untyped_storage().data_ptr() for t in exclude for d in data_tensors(t)}
-        return sum(n for p, (ref, n) in self.seen.items() if not ref.expired() and p not in skip)
+        return sorted((op, n) for p, (ref, n, op) in self.seen.items() if not ref.expired() and p not in skip)
 
 
 _COMM_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")
