@@ -21,8 +21,6 @@ print with ``pytest -s``.
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -30,7 +28,7 @@ import torch
 
 from gradient_scope import RecomputeError, recompute_scope
 
-from support import ROOT, TESTS
+from support.tp import ranks_results
 
 TIMEOUT = 240  # seconds for the whole subprocess (two ranks, every scenario)
 WORLD = 2
@@ -61,12 +59,6 @@ FSDP_SCENARIOS = {
     "passes": dict(raf=True, passes=True),
 }
 TP_SCENARIOS = ("local", "dtensor_out", "dtensor_dropout")
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -514,18 +506,7 @@ def _main(world, port, outdir):
 
 
 def _spawn(world, outdir):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(world), str(free_port()), str(outdir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return ranks_results(__file__, outdir, world, TIMEOUT, argv=(world,))
 
 
 @pytest.fixture(scope="module")

@@ -170,16 +170,16 @@ def spawn_ranks(worker, world):
     mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=world, join=True)
 
 
-def ranks_results(script, outdir, world, timeout):
-    """Run ``script PORT OUTDIR`` in a subprocess bounded by ``timeout`` seconds (a hang fails
-    here); each rank's ``rank{r}.pt`` in ``outdir``."""
+def ranks_results(script, outdir, world, timeout, argv=()):
+    """Run ``script [ARGV...] PORT OUTDIR`` in a subprocess bounded by ``timeout`` seconds (a
+    hang fails here); each rank's ``rank{r}.pt`` in ``outdir``."""
     from support import ROOT, TESTS
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(script), str(free_port()), str(outdir)],
+        [sys.executable, os.path.abspath(script), *map(str, argv), str(free_port()), str(outdir)],
         env=env,
         capture_output=True,
         text=True,
