@@ -133,7 +133,7 @@ _entries: dict[Any, Callable[..., Any]] = {}
 
 def entry(backend: Callable[..., Any]) -> Callable[..., Any]:
     """Q1 [ one entry, nothing kept per function ]: ``entry(backend)(fn, *args, **kwargs)``
-    runs ``fn`` as ``torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)`` would.
+    runs ``fn`` as ``torch.compile(fn, backend=backend, fullgraph=True)`` would.
 
     Example::
 
@@ -149,7 +149,7 @@ def entry(backend: Callable[..., Any]) -> Callable[..., Any]:
 
         skip_code(_trampoline.__code__)
         found = _entries[backend] = torch.compile(
-            _trampoline, backend=backend, fullgraph=True, dynamic=False, **_own_region()
+            _trampoline, backend=backend, fullgraph=True, dynamic=None, **_own_region()
         )
     return found
 

@@ -9,7 +9,7 @@ second source lives with the first: the template and the binding in ``_record``
 
 - ``run`` -- the runner the public scope calls for helpers, decorators and
   ``checkpoint``, with the scope's options (``_base.options.ScopeOptions``): recorded
-  the first time, bound from the template after (RULES D1..D6: when a block runs in
+  the first time, bound from the template after (RULES D1..D7: when a block runs in
   its steady state).
 - ``capture`` -- the outside tensors a block makes itself (outputs of ops ``save=``
   keeps), found once among the graph's node values and taken from them

@@ -3,19 +3,20 @@
 The recorder is a TorchDispatchMode: a Python call per op, which on a GPU costs
 more than the kernels it launches. A scope that runs a function (``apply_recompute``,
 ``@recompute``, ``checkpoint``) can instead have dynamo capture the function
-(``torch.compile(fn, backend=<ours>, fullgraph=True, dynamic=False)``): dynamo's
-guards prove, at every call, that the function computes the same graph -- the same
-ops on tensors of the same shapes, dtypes and devices, with the same Python
-constants, branches and global state -- and our backend runs that graph eagerly,
+(``torch.compile(fn, backend=<ours>, fullgraph=True)``): dynamo's guards prove, at
+every call, that the function computes the same graph -- the same ops on tensors of
+the same dtypes and devices, of the same shapes or of the sizes a dynamic graph
+admits, with the same Python constants, branches and global state -- and our backend
+runs that graph eagerly,
 op by op, with autograd as usual (the kernels, so the gradients, are the plain
 program's). A function's first call runs eagerly, recorded. The first run of a graph
 (per scope options) is recorded as any block; it becomes the graph's template
 (``_record.template``) once its structure is shown to be the eager program's. Later runs
 take the recorder off the dispatch stack and bind their record from the template instead
 (``_record.bind``), their saves taken in order by a sequencer (``_save.sequencer``)
-(rules D1..D6).
+(rules D1..D7).
 
-RULES D1..D6: when a block runs in its steady state.
+RULES D1..D7: when a block runs in its steady state.
 
 D1. [ which calls run steady ] Only a function-form scope, entered outside any open
     block and outside backward, with grad mode on, ``debug=False``, a ``save=`` that is
@@ -68,6 +69,13 @@ D6. [ the graph must run the eager ops ] A graph stands for the function only wh
     something else: the function is recorded from then on
     (D2 [ what dynamo cannot capture is recorded ]), with a warning, since one run per
     graph and options, the first, ran the graph before it could be compared.
+D7. [ a dynamic graph has a template per size ] Dynamo captures a function's first call at its
+    sizes and, when a later call differs in a size or an integer argument (a batch padded to
+    another length), once more with that size symbolic: one graph for every length. A record
+    holds sizes (a view's shape is an op argument), so such a graph keeps a template, and its
+    D6 check, per sizes and integers of its arguments (``TEMPLATES_KEPT`` of them, the oldest
+    dropped first): a new length costs one recorded run (the template) and one eager run
+    (D6 [ the graph must run the eager ops ]), not a capture.
 """
 
 from __future__ import annotations
@@ -193,13 +201,14 @@ def _unwanted(opts: ScopeOptions, fn: Callable[..., Any], args: tuple[Any, ...],
 class _Request:
     """One steady call of a scope (thread-local while the compiled function runs)."""
 
-    __slots__ = ("key", "block", "entered", "save", "fn", "why")
+    __slots__ = ("key", "graph_key", "block", "entered", "save", "fn", "why")
 
     def __init__(self, opts: ScopeOptions, block: Any, fn: Callable[..., Any]) -> None:
         self.fn = fn
         save = opts.save
         self.save = save  # held: the key names it by id
         self.key = (id(save), opts.preserve_rng_state)
+        self.graph_key: Any = self.key  # a dynamic graph's: per sizes too (D7)
         self.block = block
         self.entered = False
         self.why: str | None = "dynamo ran it without our graph"  # counted (ScopeStats.recorded_why)
@@ -308,7 +317,30 @@ def _give_up(fn: Callable[..., Any], why: str) -> None:
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     guard_hooks()  # Q3 [ hooks are guarded ]: dynamo builds this graph's guards after we return
-    return _Graph(gm)
+    return _Graph(gm, any(_symbolic(a) for a in example_inputs))
+
+
+def _symbolic(a: Any) -> bool:
+    if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    return isinstance(a, Tensor) and any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride()))
+
+
+def _arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple((a.shape, a.stride()) if type(a) is Tensor else a for a in args if type(a) in _SIZED)
+
+
+_SIZED = (Tensor, int, float, bool)
+#: D7 [ a dynamic graph has a template per size ]: sizes a graph keeps a template for (the oldest
+#: goes first: a size seen again after is recorded once more)
+TEMPLATES_KEPT = 64
+
+
+def _bounded(kept: dict[Any, Any]) -> dict[Any, Any]:
+    """``kept`` with room for one more (D7 [ a dynamic graph has a template per size ])."""
+    while len(kept) >= TEMPLATES_KEPT:
+        del kept[next(iter(kept))]
+    return kept
 
 
 _entry = entry(_backend)
@@ -319,8 +351,9 @@ class _Graph:
     the first time per scope options, bound from the template after
     (D3 [ saves checked against the template ], D4 [ a steady run's record is bound ])."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, dynamic: bool) -> None:
         self.gm = gm
+        self.dynamic = dynamic
         # (id of the save= option, preserve_rng_state) -> (that option, its template or
         # _RETIRED): the option is held, so that its id names it while the entry lives.
         self.templates: dict[Any, tuple[Any, Any]] = {}
@@ -355,14 +388,16 @@ class _Graph:
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
             req.why = "nested scope or higher-order op"
             raise _RunEager(None)
-        pending = self.unverified.get(req.key)
+        if self.dynamic:
+            req.graph_key = (req.key, _arguments(args))
+        pending = self.unverified.get(req.graph_key)
         if pending is not None:  # D6 [ the graph must run the eager ops ]
             if pending not in _eager_keys(req.fn, req.key):
                 req.why = "graph checked against an eager run"
                 raise _RunEager(self)
-            del self.unverified[req.key]
+            del self.unverified[req.graph_key]
         req.entered = True
-        found = self.templates.get(req.key)
+        found = self.templates.get(req.graph_key)
         tpl = found[1] if found is not None and found[0] is req.save else None
         if tpl is None:
             req.why = "first run of a graph"
@@ -391,7 +426,7 @@ class _Graph:
         if key == tpl.key and all(type(r) is Input for r in held):
             found = locate(values, [r.tensor for r in held])  # type: ignore[union-attr]
         if found is None:
-            self.templates[req.key] = (req.save, _RETIRED)
+            self.templates[req.graph_key] = (req.save, _RETIRED)
         else:
             tpl.gm = with_extra_outputs(self.gm, [n for n, _, _ in found])
             tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
@@ -408,19 +443,19 @@ class _Graph:
         tpl = build(block.record, log, args, out, len(block.frames), self.nested)
         if tpl is not None:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
-        self.templates[req.key] = (req.save, tpl if tpl is not None else _RETIRED)
+        _bounded(self.templates)[req.graph_key] = (req.save, tpl if tpl is not None else _RETIRED)
         key = _structure(block.record)
         # D6 [ the graph must run the eager ops ]: compared at the next call that reaches it
         if key not in _eager_keys(req.fn, req.key):
-            self.unverified[req.key] = key
+            _bounded(self.unverified)[req.graph_key] = key
         return out
 
     def compared(self, req: _Request, key: Hashable) -> None:
         """D6 [ the graph must run the eager ops ]: an eager run of a call that reached this
         graph, whose structure is ``key``."""
-        pending = self.unverified.get(req.key)
+        pending = self.unverified.get(req.graph_key)
         if pending is None or pending == key:
-            self.unverified.pop(req.key, None)
+            self.unverified.pop(req.graph_key, None)
             return
         func = getattr(req.fn, "__func__", req.fn)
         if func in _failed:
@@ -453,5 +488,5 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
         seq.finish(out, taken)
     finally:
         if seq.diverged:  # D3 [ saves checked against the template ]: recorded from the next run on
-            graph.templates[req.key] = (req.save, _RETIRED)
+            graph.templates[req.graph_key] = (req.save, _RETIRED)
     return out
