@@ -65,3 +65,18 @@ def test_op_counts(results):
         ops = r["ops"]
         assert 20 < ops["fwd_ops_per_layer"] < ops["bwd_ops_per_layer"]
         assert ops["fwd_ops"] > r["layers"] * ops["fwd_ops_per_layer"]
+
+
+def test_whole_runs_are_interleaved_and_paired(tmp_path):
+    """``--lengths``: every strategy's run in one fresh process, a time per step each; the
+    paired seen-step ratio is checkpoint's own 1.0, and the targets are written."""
+    res = hc.main(["--lengths", "2", "--steps", "5", "--layers", "2", "--rounds", "1", "--out", str(tmp_path)])
+    runs = res["runs"]
+    assert len(runs["lengths"]) == 5 and len(set(runs["lengths"])) == 2
+    strategies = runs["strategies"]
+    assert set(strategies) == set(hc.RUN_STRATEGIES)
+    assert strategies["checkpoint"]["seen_vs_checkpoint"] == 1.0
+    assert all(v["whole_s"] > 0 and v["seen_vs_checkpoint"] > 0 for v in strategies.values())
+    md = (tmp_path / "results.md").read_text()
+    assert "steady state vs checkpoint (the same step, paired)" in md and "| scope_layer+fast |" in md
+    assert json.loads((tmp_path / "results.json").read_text())["runs"]["rounds"] == 1
