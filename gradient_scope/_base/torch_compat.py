@@ -395,11 +395,20 @@ _CALLS = (_Module.__call__, _Module._call_impl, _Module._wrapped_call_impl)
 
 
 def _hooked(m: torch.nn.Module, itself: bool) -> bool:
-    for sub in m.modules():
+    # every steady call walks its module's tree: ``_modules`` directly, not ``modules()``
+    # (which builds a name per submodule)
+    seen = {id(m)}
+    todo = [m]
+    while todo:
+        sub = todo.pop()
         if (itself or sub is not m) and (
             sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
         ):
             return True
+        for child in sub._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
     return False
 
 
