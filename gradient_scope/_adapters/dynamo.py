@@ -12,13 +12,20 @@ Q2. [ our captures are quiet ] While dynamo captures a function for the steady s
     The records of ``torch`` loggers are dropped by a filter that lets everything through
     outside such a capture, in every thread; ``torch._dynamo.utils.warn_once`` is replaced
     only while a capture is under way in some thread. Dynamo's configuration is not touched
-    but for Q3's flag, for the time of one of our compiles.
+    but for Q3's and Q5's flags, for the time of one of our compiles.
 Q3. [ hooks are guarded ] Dynamo does not guard on a module's empty hook dicts
     (``config.skip_nnmodule_hook_guards``): a hook added after a capture, or present on another
     instance than the one captured, would be skipped. Our captures build their guards with the
     flag off (set in our backend, put back when the compiled call returns or the graph first
     runs): each call checks the hook dicts of the modules it traced, and a changed one
     recaptures.
+Q5. [ floats stay constants ] Dynamo (``specialize_float=False``, torch's default) turns a Python
+    float that changed between two calls into a tensor input read by ``.item()``: the graph then
+    runs an op the eager function does not, which D6 of the steady state rejects. Our captures
+    trace with ``specialize_float`` on (set by a compile-start callback while this thread
+    captures for us, put back by the compile-end one): a float is a constant of the graph, and a
+    new value is a new graph (``_adapters.steady.reuse``: D8 [ captures must be reused ]). Sizes
+    and integers still become symbolic (one graph for every length).
 Q4. [ a recompile budget of our own ] Dynamo counts graphs per code object, and by default a
     user's ``torch.compile`` of a layer's forward shares that count with our captures of it
     (8 graphs: a model's 16 layers with a KV cache, or 9 padded lengths, used it up for both).
@@ -94,6 +101,10 @@ class hushed:
             if _depth == 0:
                 _warn_once[:] = [utils.warn_once]
                 utils.warn_once = _hushed_warn_once
+                handler = torch._dynamo.callback_handler
+                if _float_constants not in handler.start_callbacks:  # (torch._dynamo.reset() clears them)
+                    handler.register_start_callback(_float_constants)
+                    handler.register_end_callback(_floats_put_back)
             _depth += 1
         self.prior = hush(True)
 
@@ -105,6 +116,23 @@ class hushed:
             if _depth == 0:
                 torch._dynamo.utils.warn_once = _warn_once.pop()
         hooks_guarded()
+
+
+def _float_constants(args: Any) -> None:
+    """Q5 [ floats stay constants ]: at the start of a compile, ours when this thread captures
+    for the steady state."""
+    if _quiet() and getattr(_local, "floats", None) is None:
+        config = torch._dynamo.config
+        _local.floats = config.specialize_float
+        config.specialize_float = True
+
+
+def _floats_put_back(args: Any) -> None:
+    """Q5: dynamo's flag as it was, at the end of our compile."""
+    prior = getattr(_local, "floats", None)
+    if prior is not None:
+        _local.floats = None
+        torch._dynamo.config.specialize_float = prior
 
 
 def guard_hooks() -> None:

@@ -20,8 +20,8 @@ def _graphs(monkeypatch):
     made = []
 
     class Counted(steady._Graph):
-        def __init__(self, gm, dynamic):
-            super().__init__(gm, dynamic)
+        def __init__(self, *args):
+            super().__init__(*args)
             made.append(self)
 
     monkeypatch.setattr(steady, "_Graph", Counted)
@@ -133,3 +133,38 @@ def test_a_graph_keeps_a_bounded_number_of_templates(fast, monkeypatch):
     assert _same(_step(model, input_ids=ids, labels=ids), _step(plain, input_ids=ids, labels=ids))
     stats = gradient_scope.model_stats(model) - before
     assert stats.recorded_why.get("first run of a graph") == 1, stats
+
+
+def test_a_function_that_changes_at_every_call_stops_capturing(fast, monkeypatch, caplog):
+    """D8 [ captures must be reused ]: a layer that reads a constant changed at every call (dynamo
+    guards on it: a new graph each time) gets ``CAPTURES_FREE`` captures, then its calls are
+    recorded without starting one; with no graph ever run again it is recorded for good, said
+    once at INFO. Every call computes plain's values."""
+    from gradient_scope._adapters.steady import reuse
+
+    monkeypatch.setattr(reuse, "HELD_MAX", 6)
+    graphs = _graphs(monkeypatch)
+    lin = nn.Linear(4, 4)
+    state = {"scale": 1.0}
+
+    def layer(x):
+        return torch.tanh(lin(x) * state["scale"])
+
+    scoped = gradient_scope.recompute(layer)
+    with caplog.at_level("INFO", logger="gradient_scope"):
+        for k in range(20):
+            state["scale"] = 1.0 + k / 8
+            x = torch.randn(3, 4, requires_grad=True)
+            y = scoped(x)
+            y.sum().backward()
+            gx = x.grad.clone()
+            x.grad = None
+            with torch.no_grad():
+                want = torch.tanh(lin(x) * state["scale"])
+            assert torch.equal(y.detach(), want), k
+            x2 = x.detach().clone().requires_grad_()
+            torch.tanh(lin(x2) * state["scale"]).sum().backward()
+            assert torch.equal(gx, x2.grad), k
+    assert len(graphs) == reuse.CAPTURES_FREE, len(graphs)
+    lines = [r.getMessage() for r in caplog.records if "recorded from now on" in r.getMessage()]
+    assert len(lines) == 1 and "none is run again" in lines[0], lines

@@ -80,6 +80,7 @@ D7. [ a dynamic graph has a template per size ] Dynamo captures a function's fir
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -113,6 +114,7 @@ from ..._save.pack import sequencing
 from ..._save.sequencer import Logger, Sequencer
 from ..dynamo import entry, guard_hooks, hooks_guarded, hush, hushed
 from .capture import NodeValues, locate, take, with_extra_outputs
+from .reuse import History, held_back, history
 
 __all__ = ["run"]
 
@@ -121,6 +123,7 @@ _log = logging.getLogger("gradient_scope")
 _tls = threading.local()
 # D2 [ what dynamo cannot capture is recorded ]: functions recorded from now on
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
+_NOTHING = contextlib.nullcontext()
 _RETIRED = object()  # a template that diverged (D3 [ saves checked against the template ])
 #: D6 [ the graph must run the eager ops ]: per function's code, per scope options
 #: (``_Request.key``), the structures of its eager runs (by code: a function made anew per call,
@@ -239,12 +242,16 @@ def run(
         if not _eager_keys(fn, req.key):  # D6 [ the graph must run the eager ops ]: the first call runs eagerly
             opts.stats.count_call("first call")
             return _run_eager(req, args, kwargs, None)
-        return _captured(req, args, kwargs)
+        past = history(fn)
+        if past.may_capture():
+            return _captured(req, args, kwargs, None)
+        return _captured(req, args, kwargs, past)  # D8 [ captures must be reused ]
 
 
-def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], held: History | None) -> Any:
     """A call through dynamo (Q1 [ one entry, nothing kept per function ], quiet: Q2 [ our
-    captures are quiet ]), or recorded where it cannot run the graph."""
+    captures are quiet ]), or recorded where it cannot run the graph; ``held``: the function's
+    history where it may run only graphs dynamo has (D8 [ captures must be reused ])."""
     fn = req.fn
     prior = getattr(_tls, "request", None)
     _tls.request = req
@@ -252,7 +259,7 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     eager = False
     graph: _Graph | None = None
     try:
-        with _recorder.suspended(), hushed():
+        with _recorder.suspended(), hushed(), held_back() if held is not None else _NOTHING:
             out = _entry(fn, *args, **kwargs)
     except _RunEager as e:
         # D6 [ the graph must run the eager ops ]: nothing of the graph ran (e is not kept:
@@ -267,12 +274,17 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
         # arguments, a reference cycle)
         failure = _failure(e)
         req.why = "dynamo could not capture"
+        if held is not None and is_recompile_limit(e):  # D8 [ captures must be reused ]
+            req.why = "captures not reused"
+            held.held += 1
+            if held.hopeless():
+                _give_up(fn, "dynamo makes a new graph at (almost) every call and none is run again")
     finally:
         _tls.request = prior
         req.block.frame.stats.count_call(req.why)
     if eager:
         return _run_eager(req, args, kwargs, graph)
-    if req.why == "dynamo could not capture":
+    if req.why == "dynamo could not capture" or req.why == "captures not reused":
         out = fn(*args, **kwargs)
         if failure is not None:  # a user's exception raised again above is no failure to capture
             _failed_once(fn, failure)
@@ -317,7 +329,11 @@ def _give_up(fn: Callable[..., Any], why: str) -> None:
 
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     guard_hooks()  # Q3 [ hooks are guarded ]: dynamo builds this graph's guards after we return
-    return _Graph(gm, any(_symbolic(a) for a in example_inputs))
+    req: _Request | None = getattr(_tls, "request", None)
+    past = history(req.fn) if req is not None else None
+    if past is not None:  # D8 [ captures must be reused ]
+        past.graphs += 1
+    return _Graph(gm, any(_symbolic(a) for a in example_inputs), past)
 
 
 def _symbolic(a: Any) -> bool:
@@ -351,9 +367,11 @@ class _Graph:
     the first time per scope options, bound from the template after
     (D3 [ saves checked against the template ], D4 [ a steady run's record is bound ])."""
 
-    def __init__(self, gm: torch.fx.GraphModule, dynamic: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, dynamic: bool, past: History | None) -> None:
         self.gm = gm
         self.dynamic = dynamic
+        # D8 [ captures must be reused ]: its function's history, told when it first runs again
+        self.past, self.runs = past, 0
         # (id of the save= option, preserve_rng_state) -> (that option, its template or
         # _RETIRED): the option is held, so that its id names it while the entry lives.
         self.templates: dict[Any, tuple[Any, Any]] = {}
@@ -388,6 +406,9 @@ class _Graph:
             _give_up(req.fn, "a nested scope or a higher-order op in its graph")
             req.why = "nested scope or higher-order op"
             raise _RunEager(None)
+        self.runs += 1
+        if self.runs == 2 and self.past is not None:  # D8 [ captures must be reused ]
+            self.past.reused += 1
         if self.dynamic:
             req.graph_key = (req.key, _arguments(args))
         pending = self.unverified.get(req.graph_key)
