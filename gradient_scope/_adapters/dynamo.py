@@ -19,18 +19,20 @@ Q3. [ hooks are guarded ] Dynamo does not guard on a module's empty hook dicts
     flag off (set in our backend, put back when the compiled call returns or the graph first
     runs): each call checks the hook dicts of the modules it traced, and a changed one
     recaptures.
-Q5. [ floats stay constants ] Dynamo (``specialize_float=False``, torch's default) turns a Python
-    float that changed between two calls into a tensor input read by ``.item()``: the graph then
-    runs an op the eager function does not, which D6 of the steady state rejects. Our captures
-    trace with ``specialize_float`` on (set by a compile-start callback while this thread
-    captures for us, put back by the compile-end one): a float is a constant of the graph, and a
-    new value is a new graph (``_adapters.steady.reuse``: D8 [ captures must be reused ]). Sizes
-    and integers still become symbolic (one graph for every length).
 Q4. [ a recompile budget of our own ] Dynamo counts graphs per code object, and by default a
     user's ``torch.compile`` of a layer's forward shares that count with our captures of it
     (8 graphs: a model's 16 layers with a KV cache, or 9 padded lengths, used it up for both).
     Where torch has ``isolate_recompiles``, our captures keep their graphs in a region of their
-    own with ``RECOMPILE_LIMIT`` graphs per function; past it a call is recorded.
+    own with ``RECOMPILE_LIMIT`` graphs per function; past it a call is recorded. (With sizes
+    symbolic from a function's second length on, what uses them up is a graph per layer.)
+Q5. [ floats stay constants ] Dynamo (``specialize_float=False``, torch's default) turns a Python
+    float that changed between two calls into a tensor input read by ``.item()``: the graph then
+    runs an op the eager function does not, which the steady state rejects
+    (D6 [ the graph must run the eager ops ]). Our captures trace with ``specialize_float`` on
+    (set by a compile-start callback while this thread captures for us, put back by the
+    compile-end one): a float is a constant of the graph, and a new value is a new graph
+    (D8 [ captures must be reused ] of the steady state). Sizes and integers still become
+    symbolic (one graph for every length).
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class hushed:
             if _depth == 0:
                 _warn_once[:] = [utils.warn_once]
                 utils.warn_once = _hushed_warn_once
-                handler = torch._dynamo.callback_handler
+                from torch._dynamo.callback import callback_handler as handler
+
                 if _float_constants not in handler.start_callbacks:  # (torch._dynamo.reset() clears them)
                     handler.register_start_callback(_float_constants)
                     handler.register_end_callback(_floats_put_back)

@@ -9,11 +9,13 @@ second source lives with the first: the template and the binding in ``_record``
 
 - ``run`` -- the runner the public scope calls for helpers, decorators and
   ``checkpoint``, with the scope's options (``_base.options.ScopeOptions``): recorded
-  the first time, bound from the template after (RULES D1..D7: when a block runs in
+  the first time, bound from the template after (RULES D1..D8: when a block runs in
   its steady state).
 - ``capture`` -- the outside tensors a block makes itself (outputs of ops ``save=``
   keeps), found once among the graph's node values and taken from them
   (T6 [ kept ops' outputs taken from the graph ]).
+- ``reuse`` -- whether a call may start a capture: a function's graphs must be run
+  again (D8 [ captures must be reused ]).
 
 How the steady state mirrors each record-time rule (``_record.entry``): a steady run's
 record must be what recording the run would have made, so each rule is either held by

@@ -1,16 +1,8 @@
-"""D8 [ captures must be reused ]: a function's captures are paid for by the graphs' reuse.
+"""When a function may start a capture: D8 [ captures must be reused ].
 
-A capture costs dynamo's trace (0.2-2 s on CPU for a transformer layer); a graph pays it back
-only when later calls run it. A function that changes at every call (a Python constant, a
-global, an object it guards on by identity) would pay a capture per call, up to the recompile
-limit. So per function code, the graphs dynamo made for the steady state and how many of them
-ran again are counted (:class:`History`): a function may have ``CAPTURES_FREE`` graphs before
-any is reused, and ``CAPTURES_PER_REUSE`` more per graph reused (a model with a KV cache has a
-graph per layer, each reused at the next step). Past that, a call still runs a graph dynamo
-already has, but no new capture is started for it: dynamo's accumulated recompile limit is set
-to 0 for the time of that call (``held_back``), so dynamo refuses at once, before tracing, and
-the call is recorded (``recorded_why``: ``"captures not reused"``). After ``HELD_MAX`` such
-calls with no graph reused at all, the function is recorded from then on, said once at INFO.
+Implements D8 [ captures must be reused ] of ``run`` for it: per function code, the graphs
+dynamo made for the steady state and how many of them ran again (:class:`History`), and the
+setting under which a held call runs only the graphs dynamo has (``held_back``).
 """
 
 from __future__ import annotations
@@ -69,4 +61,5 @@ def history(fn: Callable[..., Any]) -> History:
 def held_back() -> contextlib.AbstractContextManager[Any]:
     """D8 [ captures must be reused ]: for the time of one call, dynamo runs only graphs it
     has; a new capture is refused before it traces anything (its recompile-limit error)."""
-    return torch._dynamo.config.patch(accumulated_recompile_limit=0)
+    patched: contextlib.AbstractContextManager[Any] = torch._dynamo.config.patch(accumulated_recompile_limit=0)
+    return patched

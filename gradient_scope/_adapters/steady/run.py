@@ -14,9 +14,9 @@ program's). A function's first call runs eagerly, recorded. The first run of a g
 (``_record.template``) once its structure is shown to be the eager program's. Later runs
 take the recorder off the dispatch stack and bind their record from the template instead
 (``_record.bind``), their saves taken in order by a sequencer (``_save.sequencer``)
-(rules D1..D7).
+(rules D1..D8).
 
-RULES D1..D7: when a block runs in its steady state.
+RULES D1..D8: when a block runs in its steady state.
 
 D1. [ which calls run steady ] Only a function-form scope, entered outside any open
     block and outside backward, with grad mode on, ``debug=False``, a ``save=`` that is
@@ -73,9 +73,21 @@ D7. [ a dynamic graph has a template per size ] Dynamo captures a function's fir
     sizes and, when a later call differs in a size or an integer argument (a batch padded to
     another length), once more with that size symbolic: one graph for every length. A record
     holds sizes (a view's shape is an op argument), so such a graph keeps a template, and its
-    D6 check, per sizes and integers of its arguments (``TEMPLATES_KEPT`` of them, the oldest
-    dropped first): a new length costs one recorded run (the template) and one eager run
-    (D6 [ the graph must run the eager ops ]), not a capture.
+    check against an eager run, per sizes and integers of its arguments (``TEMPLATES_KEPT`` of
+    them, the oldest dropped first): a new length costs one recorded run (the template) and
+    one eager run (D6 [ the graph must run the eager ops ]), not a capture.
+D8. [ captures must be reused ] A capture costs dynamo's trace (0.2-2 s on CPU for a
+    transformer layer); a graph pays it back only when later calls run it. A function that
+    changes at every call (a Python constant, a global, an object dynamo guards by identity)
+    would pay a capture per call, up to the recompile limit. So per function code, the graphs
+    dynamo made for the steady state and how many of them ran again are counted
+    (``reuse.History``): a function may have ``CAPTURES_FREE`` graphs before any is reused, and
+    ``CAPTURES_PER_REUSE`` more per graph reused (a model with a KV cache has a graph per
+    layer, each reused at the next step). Past that, a call still runs a graph dynamo already
+    has, but starts no capture: dynamo's accumulated recompile limit is 0 for the time of that
+    call (``reuse.held_back``), so dynamo refuses before tracing anything, and the call is recorded
+    (``recorded_why``: ``"captures not reused"``). After ``HELD_MAX`` such calls with no graph
+    ever reused, the function is recorded from then on, said once at INFO.
 """
 
 from __future__ import annotations
@@ -211,7 +223,8 @@ class _Request:
         save = opts.save
         self.save = save  # held: the key names it by id
         self.key = (id(save), opts.preserve_rng_state)
-        self.graph_key: Any = self.key  # a dynamic graph's: per sizes too (D7)
+        # a dynamic graph's: per sizes too (D7 [ a dynamic graph has a template per size ])
+        self.graph_key: Any = self.key
         self.block = block
         self.entered = False
         self.why: str | None = "dynamo ran it without our graph"  # counted (ScopeStats.recorded_why)
