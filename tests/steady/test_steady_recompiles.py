@@ -1,7 +1,7 @@
 """The steady state's captures have a recompile budget of their own (Q4 in
 ``gradient_scope/_adapters/dynamo.py``): Hugging Face layers with the KV cache on (a graph per
-layer) and batches padded to their longest row (a graph per length) run steady with the plain
-program's gradients, and the user's own ``torch.compile`` of the same layer keeps its own limit."""
+layer) and batches padded to their longest row run steady with the plain program's gradients,
+and the user's own ``torch.compile`` of the same layer keeps its own limit."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def test_ten_layers_with_the_kv_cache_on_all_run_steady(fast):
 
 
 def test_users_compile_keeps_its_budget_after_our_captures_at_twelve_lengths(fast, capfd):
-    """After 4 layers x 12 lengths of steady runs (12 graphs of the layers' code, past dynamo's
-    limit of 8), every length runs steady from its third layer on, and the user's own
-    compile of a function, and of one of the layers, compiles within its own limit of 8;
-    dynamo's configuration is as it was."""
+    """After 4 layers x 12 lengths of steady runs (graphs of the layers' code in our own
+    region: one static, one with the length symbolic), every length runs steady from its third
+    layer on, and the user's own compile of a function, and of one of the layers, compiles
+    within its own limit of 8; dynamo's configuration is as it was."""
     config = torch._dynamo.config.get_config_copy()
     model = _layers(tiny_llama(4, use_cache=False))
     g = torch.Generator().manual_seed(0)
