@@ -356,7 +356,13 @@ def _symbolic(a: Any) -> bool:
 
 
 def _arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((a.shape, a.stride()) if type(a) is Tensor else a for a in args if type(a) in _SIZED)
+    """D7 [ a dynamic graph has a template per size ]: what a dynamic graph's symbols can stand
+    for (every size, stride and offset of its tensor arguments, its numbers)."""
+    return tuple(
+        (a.shape, a.stride(), a.storage_offset()) if isinstance(a, Tensor) else a
+        for a in args
+        if isinstance(a, _SIZED)
+    )
 
 
 _SIZED = (Tensor, int, float, bool)
