@@ -359,9 +359,7 @@ def _arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """D7 [ a dynamic graph has a template per size ]: what a dynamic graph's symbols can stand
     for (every size, stride and offset of its tensor arguments, its numbers)."""
     return tuple(
-        (a.shape, a.stride(), a.storage_offset()) if isinstance(a, Tensor) else a
-        for a in args
-        if isinstance(a, _SIZED)
+        (a.shape, a.stride(), a.storage_offset()) if isinstance(a, Tensor) else a for a in args if isinstance(a, _SIZED)
     )
 
 
