@@ -303,7 +303,7 @@ def runs_markdown(results: dict[str, Any]) -> str:
 
     targets = [
         f"- steps of seen lengths, steady state vs checkpoint (the same step, paired): "
-        f"{fast['seen_vs_checkpoint']:.2f}x: " + ("met" if fast["seen_vs_checkpoint"] <= 1 else "NOT met")
+        f"{fast['seen_vs_checkpoint']:.3f}x: " + ("met" if fast["seen_vs_checkpoint"] <= 1 else "NOT met")
         + f" (medians of the runs' seen steps: {fast['seen_step_ms']:.1f} vs {ck['seen_step_ms']:.1f} ms)",
         f"- whole run, steady state vs the recorded path: {fast['whole_s']:.2f} vs {rec['whole_s']:.2f} s "
         + met(fast["whole_s"], rec["whole_s"]),
