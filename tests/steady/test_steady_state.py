@@ -223,7 +223,46 @@ def test_functions_dynamo_cannot_capture_are_recorded(fast, capsys):
         (x @ w).tanh().sum().backward()
     assert torch.equal(w.grad, expected)
     assert not fast
-    assert noisy.__wrapped__ in steady._failed  # tried twice, then recorded without a capture
+    assert noisy.__wrapped__.__code__ in steady._failed  # tried twice, then recorded without a capture
+
+
+def test_giving_up_holds_for_the_code_a_new_model_shares(fast, monkeypatch):
+    """A layer class made anew per model (a class defined in a function, as ``fully_shard``
+    makes one per module): what gave up on the first model's layer (a higher-order op in its
+    graph, or two failed captures) holds for the second's, whose forward is another function of
+    the same code: it is
+    recorded without a capture (dynamo's failed recaptures kept block tensors alive)."""
+    made = []
+    real = steady._Graph.__init__
+
+    def counted(self, *args):
+        made.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(steady._Graph, "__init__", counted)
+
+    def model():
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(6, 6)
+
+            def forward(self, h):
+                return torch.utils.checkpoint.checkpoint(self.lin, h, use_reentrant=False).tanh()
+
+        torch.manual_seed(0)
+        layers = [Layer() for _ in range(3)]
+        return gradient_scope.apply_recompute(torch.nn.Sequential(*layers), check_fn=Layer)
+
+    x = torch.randn(4, 6, requires_grad=True)
+    first, second = model(), model()
+    assert type(first[0]).forward is not type(second[0]).forward
+    first(x).sum().backward()
+    assert type(first[0]).forward.__code__ in steady._failed, gradient_scope.model_stats(first).recorded_why
+    graphs = len(made)
+    second(x).sum().backward()
+    assert len(made) == graphs and not fast
+    assert gradient_scope.model_stats(second).recorded_why["given up"] == 3
 
 
 class PassThrough(torch.overrides.TorchFunctionMode):

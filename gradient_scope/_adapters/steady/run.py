@@ -36,9 +36,11 @@ D2. [ what dynamo cannot capture is recorded ] A call that dynamo cannot capture
     runs recorded, as any block: nothing of it ran before dynamo gave up. A function
     that failed twice (a graph break), that dynamo runs without our graph, or whose
     graph holds a nested scope (T4 [ no nested scope or higher-order op ]) is recorded
-    from then on, for the life of the process (logged: logger ``gradient_scope``,
-    DEBUG); past dynamo's recompile limit, calls whose graph dynamo has keep their
-    steady state and the others are recorded.
+    from then on, for the life of the process, with every function of its code (a class
+    made anew per model, a closure made per call: a recapture that fails again can leave
+    dynamo holding the call's tensors) (logged: logger ``gradient_scope``, INFO); past
+    dynamo's recompile limit, calls whose graph dynamo has keep their steady state and the
+    others are recorded.
 D3. [ saves checked against the template ] The saves of a steady run go to its sequencer
     (``_save.pack`` S5 [ a steady run's saves go to its sequencer ],
     ``_save.sequencer``), which takes the n-th save to be the template's n-th
@@ -133,7 +135,8 @@ __all__ = ["run"]
 Tensor = torch.Tensor
 _log = logging.getLogger("gradient_scope")
 _tls = threading.local()
-# D2 [ what dynamo cannot capture is recorded ]: functions recorded from now on
+# D2 [ what dynamo cannot capture is recorded ]: the code of functions recorded from now on (by
+# code: a class made anew per model, a closure made per call, share it, as dynamo's cache does)
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
 _NOTHING = contextlib.nullcontext()
 _RETIRED = object()  # a template that diverged (D3 [ saves checked against the template ])
@@ -206,7 +209,7 @@ def _unwanted(opts: ScopeOptions, fn: Callable[..., Any], args: tuple[Any, ...],
     func = getattr(fn, "__func__", fn)
     if not inspect.isfunction(func) or inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func):
         return "not a function"
-    if func in _failed:
+    if func.__code__ in _failed:
         return "given up"
     # dynamo would run a skipped frame eagerly, unrecorded (its random draws, its buffers' writes), and
     # fullgraph=True raise after: the call would run twice
@@ -327,16 +330,16 @@ def _failure(e: BaseException) -> str | None:
 
 
 def _failed_once(fn: Callable[..., Any], e: str) -> None:
-    func = getattr(fn, "__func__", fn)
-    n = _failures[func] = _failures.get(func, 0) + 1
+    code = getattr(fn, "__func__", fn).__code__
+    n = _failures[code] = _failures.get(code, 0) + 1
     if n >= _RETRIES:
         _give_up(fn, e)
 
 
 def _give_up(fn: Callable[..., Any], why: str) -> None:
     func = getattr(fn, "__func__", fn)
-    if func not in _failed:
-        _failed.add(func)
+    if func.__code__ not in _failed:
+        _failed.add(func.__code__)
         _log.info("gradient_scope: %s is recorded from now on (no steady state): %s", func.__qualname__, why)
 
 
@@ -496,7 +499,7 @@ class _Graph:
             self.unverified.pop(req.graph_key, None)
             return
         func = getattr(req.fn, "__func__", req.fn)
-        if func in _failed:
+        if func.__code__ in _failed:
             return
         _give_up(req.fn, "its graph runs other ops than the function does eagerly")
         warn_user(
