@@ -12,20 +12,8 @@ import gradient_scope
 from gradient_scope import apply_recompute
 from gradient_scope._adapters.steady import run as steady
 
+from support import steady_graphs
 from support.hf_models import VOCAB, tiny_llama
-
-
-def _graphs(monkeypatch):
-    """The graphs our backend receives from now on."""
-    made = []
-
-    class Counted(steady._Graph):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(steady, "_Graph", Counted)
-    return made
 
 
 def _step(model, **batch):
@@ -50,7 +38,7 @@ def test_twelve_padded_lengths_are_two_graphs_and_plains_gradients(fast, monkeyp
     length and, at the second, a graph with the length symbolic; no other capture. Every step
     is plain's, bitwise. A third pass runs every layer steady (a template per length; in the
     second, the first length reaches the symbolic graph for the first time)."""
-    graphs = _graphs(monkeypatch)
+    graphs = steady_graphs(monkeypatch)
     model, plain = apply_recompute(tiny_llama(4, use_cache=False), _is_layer), tiny_llama(4, use_cache=False)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, VOCAB, (2, n), generator=g) for n in range(4, 16)]
@@ -87,7 +75,7 @@ def test_ops_that_take_sizes_are_bound_at_each_length(fast, monkeypatch):
     int argument dynamo made symbolic): a run at one length must not be bound from a template
     of another. Seven lengths and ints, each twice, two layers: bitwise plain's, with
     fewer graphs than pairs."""
-    graphs = _graphs(monkeypatch)
+    graphs = steady_graphs(monkeypatch)
     torch.manual_seed(0)
     layers = [_Reshaping() for _ in range(2)]
     plain = [_Reshaping() for _ in range(2)]
@@ -120,7 +108,7 @@ def test_a_graph_keeps_a_bounded_number_of_templates(fast, monkeypatch):
     """Past ``TEMPLATES_KEPT`` lengths the oldest template goes; a length seen again after is
     recorded once more (its first run) and is plain's."""
     monkeypatch.setattr(steady, "TEMPLATES_KEPT", 3)
-    graphs = _graphs(monkeypatch)
+    graphs = steady_graphs(monkeypatch)
     model, plain = apply_recompute(tiny_llama(3, use_cache=False), _is_layer), tiny_llama(3, use_cache=False)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, VOCAB, (1, n), generator=g) for n in (5, 6, 7, 8, 9, 5)]
@@ -143,7 +131,7 @@ def test_a_function_that_changes_at_every_call_stops_capturing(fast, monkeypatch
     from gradient_scope._adapters.steady import reuse
 
     monkeypatch.setattr(reuse, "HELD_MAX", 6)
-    graphs = _graphs(monkeypatch)
+    graphs = steady_graphs(monkeypatch)
     lin = nn.Linear(4, 4)
     state = {"scale": 1.0}
 

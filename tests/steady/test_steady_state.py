@@ -19,7 +19,7 @@ import gradient_scope
 from gradient_scope import Budget, RecomputeError, apply_recompute, checkpoint, recompute, recompute_scope
 from gradient_scope._adapters.steady import run as steady
 
-from support import assert_stacks_clean, dead, pinned_cpu_rates
+from support import assert_stacks_clean, dead, pinned_cpu_rates, steady_graphs
 
 
 class Block(nn.Module):
@@ -232,14 +232,7 @@ def test_giving_up_holds_for_the_code_a_new_model_shares(fast, monkeypatch):
     graph, or two failed captures) holds for the second's, whose forward is another function of
     the same code: it is
     recorded without a capture (dynamo's failed recaptures kept block tensors alive)."""
-    made = []
-    real = steady._Graph.__init__
-
-    def counted(self, *args):
-        made.append(1)
-        real(self, *args)
-
-    monkeypatch.setattr(steady._Graph, "__init__", counted)
+    made = steady_graphs(monkeypatch)
 
     def model():
         class Layer(torch.nn.Module):

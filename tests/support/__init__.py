@@ -62,6 +62,22 @@ DEVICES = [
 ]
 
 
+def steady_graphs(monkeypatch):
+    """The graphs the steady state's backend makes from now on (``_Graph`` of
+    ``gradient_scope/_adapters/steady/run.py``), appended as they are made."""
+    from gradient_scope._adapters.steady import run as steady
+
+    made = []
+
+    class Counted(steady._Graph):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(steady, "_Graph", Counted)
+    return made
+
+
 def sync(device):
     """Wait for the device's queued kernels (a no-op on CPU): for checks that read
     allocator statistics or host-side state after asynchronous work."""
