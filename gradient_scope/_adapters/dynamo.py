@@ -103,8 +103,7 @@ class hushed:
             if _depth == 0:
                 _warn_once[:] = [utils.warn_once]
                 utils.warn_once = _hushed_warn_once
-                from torch._dynamo.callback import callback_handler as handler
-
+                handler = torch._dynamo.callback.callback_handler
                 if _float_constants not in handler.start_callbacks:  # (torch._dynamo.reset() clears them)
                     handler.register_start_callback(_float_constants)
                     handler.register_end_callback(_floats_put_back)
