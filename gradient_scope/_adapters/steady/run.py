@@ -219,7 +219,7 @@ def _unwanted(opts: ScopeOptions, fn: Callable[..., Any], args: tuple[Any, ...],
 class _Request:
     """One steady call of a scope (thread-local while the compiled function runs)."""
 
-    __slots__ = ("key", "graph_key", "block", "entered", "save", "fn", "why")
+    __slots__ = ("key", "graph_key", "block", "entered", "save", "fn", "why", "past")
 
     def __init__(self, opts: ScopeOptions, block: Any, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -228,6 +228,7 @@ class _Request:
         self.key = (id(save), opts.preserve_rng_state)
         # a dynamic graph's: per sizes too (D7 [ a dynamic graph has a template per size ])
         self.graph_key: Any = self.key
+        self.past: History = history(fn)  # D8 [ captures must be reused ]
         self.block = block
         self.entered = False
         self.why: str | None = "dynamo ran it without our graph"  # counted (ScopeStats.recorded_why)
@@ -258,16 +259,13 @@ def run(
         if not _eager_keys(fn, req.key):  # D6 [ the graph must run the eager ops ]: the first call runs eagerly
             opts.stats.count_call("first call")
             return _run_eager(req, args, kwargs, None)
-        past = history(fn)
-        if past.may_capture():
-            return _captured(req, args, kwargs, None)
-        return _captured(req, args, kwargs, past)  # D8 [ captures must be reused ]
+        return _captured(req, args, kwargs, not req.past.may_capture())  # D8 [ captures must be reused ]
 
 
-def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], held: History | None) -> Any:
+def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], held: bool) -> Any:
     """A call through dynamo (Q1 [ one entry, nothing kept per function ], quiet: Q2 [ our
-    captures are quiet ]), or recorded where it cannot run the graph; ``held``: the function's
-    history where it may run only graphs dynamo has (D8 [ captures must be reused ])."""
+    captures are quiet ]), or recorded where it cannot run the graph; ``held``: the call may
+    run only graphs dynamo has (D8 [ captures must be reused ])."""
     fn = req.fn
     prior = getattr(_tls, "request", None)
     _tls.request = req
@@ -275,7 +273,7 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], held
     eager = False
     graph: _Graph | None = None
     try:
-        with _recorder.suspended(), hushed(), held_back() if held is not None else _NOTHING:
+        with _recorder.suspended(), hushed(), held_back() if held else _NOTHING:
             out = _entry(fn, *args, **kwargs)
     except _RunEager as e:
         # D6 [ the graph must run the eager ops ]: nothing of the graph ran (e is not kept:
@@ -290,10 +288,10 @@ def _captured(req: _Request, args: tuple[Any, ...], kwargs: dict[str, Any], held
         # arguments, a reference cycle)
         failure = _failure(e)
         req.why = "dynamo could not capture"
-        if held is not None and is_recompile_limit(e):  # D8 [ captures must be reused ]
+        if held and is_recompile_limit(e):  # D8 [ captures must be reused ]
             req.why = "captures not reused"
-            held.held += 1
-            if held.hopeless():
+            req.past.held += 1
+            if req.past.hopeless():
                 _give_up(fn, "dynamo makes a new graph at (almost) every call and none is run again")
     finally:
         _tls.request = prior
@@ -346,7 +344,7 @@ def _give_up(fn: Callable[..., Any], why: str) -> None:
 def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     guard_hooks()  # Q3 [ hooks are guarded ]: dynamo builds this graph's guards after we return
     req: _Request | None = getattr(_tls, "request", None)
-    past = history(req.fn) if req is not None else None
+    past = req.past if req is not None else None
     if past is not None:  # D8 [ captures must be reused ]
         past.graphs += 1
     return _Graph(gm, any(_symbolic(a) for a in example_inputs), past)
@@ -355,7 +353,9 @@ def _backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..
 def _symbolic(a: Any) -> bool:
     if isinstance(a, torch.SymInt | torch.SymFloat | torch.SymBool):
         return True
-    return isinstance(a, Tensor) and any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride()))
+    return isinstance(a, Tensor) and any(
+        isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride(), a.storage_offset())
+    )
 
 
 def _arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
