@@ -1,7 +1,10 @@
 """Host cost per layer: what each strategy adds to plain's forward and fwd+bwd, per layer, on CPU.
 
-    python -m benchmarks.host_cost [--rounds N] [--inner N] [--dtype bfloat16] [--quick]
-    python -m benchmarks.host_cost --lengths 30 [--steps 60] [--layers 16] [--cache] [--rounds N]
+    python -m benchmarks.host_cost [--rounds N] [--inner N] [--dtype bfloat16] [--quick] [--device cuda]
+    python -m benchmarks.host_cost --lengths 30 [--steps 60] [--layers 16] [--cache] [--rounds N] [--device cuda]
+
+``--device cuda`` runs the same tiny models on a GPU, where the same host work is what the GPU
+waits for (each step ends with a synchronisation; results under ``cuda-host*/``).
 
 On a GPU a scoped forward is host-bound (docs NOTES, fourth round): the Python work per
 op takes longer than the kernels. That work is measured here, on a CPU, with tensors so
@@ -78,17 +81,26 @@ STRATEGIES = [
 ]
 #: whole runs (``--lengths``): the recorded path is the CPU default (``scope_layer``)
 RUN_STRATEGIES = ["plain", "checkpoint", "scope_layer", "scope_layer+fast", AA]
+#: the strategies whose path is the device's default: the recorded path on CPU, the steady state on CUDA
+_DEFAULT_PATH = ("scope_layer", "scope_layer_savemm", "budget50")
+
+
+def explicit(name: str, device: str) -> str:
+    """``name`` as it runs the recorded path on ``device``: on a GPU, where the steady state is the
+    default, ``scope_layer`` is ``scope_layer+recorded`` (the ``+fast`` rows are the steady state)."""
+    return f"{name}+recorded" if name in _DEFAULT_PATH and not device.startswith("cpu") else name
 FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
 QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def count_ops(model: str, size: str, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def count_ops(model: str, size: str, seed: int, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> dict[str, float]:
     """Aten ops per layer in forward and in backward of plain (untimed)."""
 
     def count(layers: int | None) -> tuple[int, int, int]:
-        built = build(model, size, seed, dtype=dtype, **({} if layers is None else {"layers": layers}))
-        c = built.case(model)
+        built = build(model, size, seed, device=device, dtype=dtype, **({} if layers is None else {"layers": layers}))
+        c = built.case(model, device)
         n = sum(1 for m in c.model.modules() if c.layers(m))
         fwd, bwd = OpCounter(), OpCounter()
         torch.manual_seed(seed)
@@ -116,16 +128,18 @@ def per_layer(res: dict[str, Any], name: str, phase: str, layers: int) -> dict[s
 
 
 def run_model(
-    model: str, size: str, rounds: int, inner: int, warmup: int, seed: int, log: Any, dtype: torch.dtype = torch.float32
+    model: str, size: str, rounds: int, inner: int, warmup: int, seed: int, log: Any,
+    dtype: torch.dtype = torch.float32, device: str = "cpu",
 ) -> dict[str, Any]:
     """The strategies on one model: timings, per-layer extras, op counts, agreement with plain."""
-    built = build(model, size, seed, dtype=dtype)
-    c: Case = built.case(model)
+    built = build(model, size, seed, device=device, dtype=dtype)
+    c: Case = built.case(model, device)
     c.warm_up(seed)
     layers = sum(1 for m in c.model.modules() if c.layers(m))
-    out = run_strategies(c, STRATEGIES, rounds, seed=seed, warmup=warmup, inner=inner, memory=False, log=log)
+    names = [explicit(s, device) for s in STRATEGIES]
+    out = run_strategies(c, names, rounds, seed=seed, warmup=warmup, inner=inner, memory=False, log=log)
     res = out["strategies"]
-    ops = count_ops(model, size, seed, dtype)
+    ops = count_ops(model, size, seed, dtype, device)
     ops_step = ops["fwd_ops_per_layer"] + ops["bwd_ops_per_layer"]
     host: dict[str, Any] = {}
     for name, v in res.items():
@@ -137,11 +151,11 @@ def run_model(
     plain = res["plain"]
     ops["plain_fwd_us_per_op"] = 1e6 * plain["fwd"]["time_median_s"] / ops["fwd_ops"]
     ops["plain_bwd_us_per_op"] = 1e6 * plain["bwd"]["time_median_s"] / ops["bwd_ops"]
-    config = {**built.config, "dtype": str(dtype).replace("torch.", "")}
+    config = {**built.config, "dtype": str(dtype).replace("torch.", ""), "device": device}
     return {"config": config, "layers": layers, "ops": ops, "host": host, **out}
 
 
-def compute_targets(models: dict[str, Any]) -> Targets:
+def compute_targets(models: dict[str, Any], device: str = "cpu") -> Targets:
     """Issue 26's host-cost targets, each on every model, with the A/A spread beside them."""
     T = Targets(("target", "model", "measured"))
     # The recorded path (the CPU default) and the steady state (GRADIENT_SCOPE_FAST=1, the
@@ -152,6 +166,7 @@ def compute_targets(models: dict[str, Any]) -> Targets:
         ("budget50", "scope_layer"),
         ("budget50+fast", "scope_layer+fast"),
     )
+    pairs = tuple((explicit(a, device), explicit(b, device)) for a, b in pairs)
     for m, r in models.items():
         h = r["host"]
         aa = h.get(AA, {}).get("step")
@@ -201,14 +216,16 @@ def model_markdown(r: dict[str, Any]) -> str:
 
 
 def to_markdown(results: dict[str, Any]) -> str:
+    names = [explicit(s, results.get("device", "cpu")) for s in STRATEGIES]
     out = [
         *header_lines("# Host cost per layer", "benchmarks.host_cost", results, ("transformers",)),
-        f"- CPU, one torch thread; per round the least of {results['inner']} steps per strategy, "
+        f"- {results.get('device', 'cpu')}, one torch thread; per round the least of {results['inner']} steps per "
+        "strategy, "
         f"{results['warmup']} warm-up steps first; extra = (strategy - plain) / layers, per round, median (IQR)",
         "- per op: the extra per layer over the aten ops per layer (forward ops for fwd; forward + backward ops "
         "for fwd+bwd)",
         "",
-        *sections(Targets.from_rows(results["targets"]), {k: DESCRIPTIONS[k] for k in STRATEGIES}),
+        *sections(Targets.from_rows(results["targets"]), {k: DESCRIPTIONS[k] for k in names}),
     ]
     for m, r in results["models"].items():
         out += [f"## {m}", "", model_markdown(r), ""]
@@ -223,7 +240,8 @@ def run_lengths(n: int, steps: int, seed: int) -> list[int]:
     return [lengths[k % n] for k in range(steps)]
 
 
-def one_run(order: list[str], layers: int, cache: bool, lengths: list[int], seed: int) -> dict[str, Any]:
+def one_run(order: list[str], layers: int, cache: bool, lengths: list[int], seed: int,
+            device: str = "cpu") -> dict[str, Any]:
     """Whole runs of the strategies of ``order``, each on a fresh Llama, interleaved step by step
     in this process (the order rotated at every step): each step's seconds per strategy. Only the
     steady state captures, so each run pays what it pays alone; interleaving gives the strategies
@@ -231,30 +249,35 @@ def one_run(order: list[str], layers: int, cache: bool, lengths: list[int], seed
     torch.set_num_threads(1)
     models = {}
     for name in order:
-        built = build("llama", "host", seed, layers=layers)
-        c = built.case("llama")
+        built = build("llama", "host", seed, device=device, layers=layers)
+        c = built.case("llama", device)
         c.model.config.use_cache = cache
         apply_strategy(c.model, "plain" if name == AA else name, c.layers, c.parts)
         models[name] = c.model
     vocab = built.config.get("vocab", 128)
     gen = torch.Generator().manual_seed(seed)
     times: dict[str, list[float]] = {name: [] for name in order}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for k, length in enumerate(lengths):
-        ids = torch.randint(3, vocab, (1, length), generator=gen)
+        ids = torch.randint(3, vocab, (1, length), generator=gen).to(device)
         for name in order[k % len(order):] + order[:k % len(order)]:
             model = models[name]
             torch.manual_seed(seed)
+            sync()
             t = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()
+            sync()
             times[name].append(time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
     return {name: {"times_s": t} for name, t in times.items()}
 
 
-def _run_in_process(order: list[str], layers: int, cache: bool, lengths: list[int], seed: int) -> dict[str, Any]:
+def _run_in_process(order: list[str], layers: int, cache: bool, lengths: list[int], seed: int,
+                    device: str = "cpu") -> dict[str, Any]:
     """One round: a fresh process runs each strategy of ``order`` once, interleaved (only the
     steady state captures: its run pays every capture, as a user's first run does)."""
-    spec = json.dumps({"order": order, "layers": layers, "cache": cache, "lengths": lengths, "seed": seed})
+    spec = json.dumps({"order": order, "layers": layers, "cache": cache, "lengths": lengths, "seed": seed,
+                       "device": device})
     done = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", spec],
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -267,11 +290,12 @@ def _seen_steps(lengths: list[int], times: list[float]) -> list[float]:
 def runs(a: argparse.Namespace, log: Any) -> dict[str, Any]:
     """Whole runs of ``RUN_STRATEGIES`` (order rotated per round), each in its own process."""
     lengths = run_lengths(a.lengths, a.steps, a.seed)
-    per: dict[str, list[dict[str, Any]]] = {s: [] for s in RUN_STRATEGIES}
+    names = [explicit(s, a.device) for s in RUN_STRATEGIES]
+    per: dict[str, list[dict[str, Any]]] = {s: [] for s in names}
     rounds = a.rounds or 3
     for r in range(rounds):
-        order = RUN_STRATEGIES[r % len(RUN_STRATEGIES):] + RUN_STRATEGIES[:r % len(RUN_STRATEGIES)]
-        done = _run_in_process(order, a.layers, a.cache, lengths, a.seed)
+        order = names[r % len(names):] + names[:r % len(names)]
+        done = _run_in_process(order, a.layers, a.cache, lengths, a.seed, a.device)
         for name in order:
             per[name].append(done[name])
             log(f"round {r}: {name} {sum(done[name]['times_s']):.2f} s")
@@ -297,7 +321,8 @@ def runs_markdown(results: dict[str, Any]) -> str:
     rows = [[n, f"{v['whole_s']:.2f}", f"{v['seen_step_ms']:.1f}", f"{v['seen_vs_checkpoint']:.2f}x",
              f"{v['extra_us_per_layer']:+.0f} ({v['extra_quartiles'][0]:+.0f} to {v['extra_quartiles'][1]:+.0f})"]
             for n, v in s.items()]
-    fast, rec, ck = s["scope_layer+fast"], s["scope_layer"], s["checkpoint"]
+    rec = s[explicit("scope_layer", results.get("device", "cpu"))]
+    fast, ck = s["scope_layer+fast"], s["checkpoint"]
     def met(a: float, b: float) -> str:
         return f"({a / b:.2f}x): " + ("met" if a <= b else "NOT met")
 
@@ -314,7 +339,8 @@ def runs_markdown(results: dict[str, Any]) -> str:
     r = results
     return "\n".join([
         *header_lines("# Host cost of whole runs", "benchmarks.host_cost", r, ("transformers",)),
-        f"- Llama (hf_zoo size host) with {r['layers']} layers, batch 1, {r['steps']} steps at {r['n_lengths']} "
+        f"- {r.get('device', 'cpu')}; Llama (hf_zoo size host) with {r['layers']} layers, batch 1, "
+        f"{r['steps']} steps at {r['n_lengths']} "
         f"length(s) ({min(r['runs']['lengths'])}-{max(r['runs']['lengths'])}), use_cache={r['cache']}; "
         f"each round a fresh process, its runs interleaved step by step, one torch thread; medians over "
         f"{r['runs']['rounds']} rounds",
@@ -343,11 +369,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cache", action="store_true", help="whole runs with the KV cache on (use_cache=True)")
     p.add_argument("--steps", type=int, default=60, help="steps per whole run (default 60)")
     p.add_argument("--layers", type=int, default=16, help="layers of the whole runs' Llama (default 16)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; results under <device>-host*/)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # one whole run, in this process (JSON spec)
     a = p.parse_args(argv)
     if a.one:
         spec = json.loads(a.one)
-        print(json.dumps(one_run(spec["order"], spec["layers"], spec["cache"], spec["lengths"], spec["seed"])))
+        print(json.dumps(one_run(spec["order"], spec["layers"], spec["cache"], spec["lengths"], spec["seed"],
+                                 spec.get("device", "cpu"))))
         return {}
     if a.lengths or a.cache:
         return _main_runs(a)
@@ -357,17 +385,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     log = make_log(t_start)
     dtype = DTYPES[a.dtype]
-    out_dir = results_dir(a.out, "cpu-host" + ("" if a.dtype == "float32" else "-bf16") + ("-quick" if a.quick else ""))
+    out_dir = results_dir(a.out, f"{a.device.split(':')[0]}-host" + ("" if a.dtype == "float32" else "-bf16")
+                          + ("-quick" if a.quick else ""))
     preload(a.models)
-    machine = machine_info("cpu", packages=("transformers",))
-    results: dict[str, Any] = {"argv": argv, "size": mode["size"], "dtype": a.dtype, "rounds": rounds, "inner": inner,
+    machine = machine_info(a.device, packages=("transformers",))
+    results: dict[str, Any] = {"argv": argv, "device": a.device, "size": mode["size"], "dtype": a.dtype,
+                               "rounds": rounds, "inner": inner,
                                "warmup": warmup, "seed": a.seed, "machine": machine, "models": {}}
     for m in a.models:
         log(f"{m} ({mode['size']}): {len(STRATEGIES)} strategies, {rounds} rounds of {inner} step(s)")
-        results["models"][m] = run_model(m, mode["size"], rounds, inner, warmup, a.seed, log, dtype)
+        results["models"][m] = run_model(m, mode["size"], rounds, inner, warmup, a.seed, log, dtype, a.device)
         print(f"\n{m}\n{model_markdown(results['models'][m])}\n", flush=True)
     mark_end(machine)
-    results["targets"] = compute_targets(results["models"])
+    results["targets"] = compute_targets(results["models"], a.device)
     results["duration_s"] = time.perf_counter() - t_start
     write_results(out_dir, results, to_markdown(results))
     print("targets\n" + results["targets"].markdown())
@@ -380,10 +410,11 @@ def _main_runs(a: argparse.Namespace) -> dict[str, Any]:
     log = make_log(t_start)
     n = a.lengths or 1
     a.lengths = n
-    out_dir = results_dir(a.out, f"cpu-host-lengths{n}" + ("-cache" if a.cache else ""))
+    out_dir = results_dir(a.out, f"{a.device.split(':')[0]}-host-lengths{n}" + ("-cache" if a.cache else ""))
     preload(["llama"])
-    machine = machine_info("cpu", packages=("transformers",))
-    results: dict[str, Any] = {"argv": sys.argv[1:], "layers": a.layers, "steps": a.steps, "n_lengths": n,
+    machine = machine_info(a.device, packages=("transformers",))
+    results: dict[str, Any] = {"argv": sys.argv[1:], "device": a.device, "layers": a.layers, "steps": a.steps,
+                               "n_lengths": n,
                                "cache": a.cache, "seed": a.seed, "machine": machine}
     results["runs"] = runs(a, log)
     mark_end(machine)

@@ -65,6 +65,8 @@ DESCRIPTIONS = {
     "scope_layer+recorded": "scope_layer with GRADIENT_SCOPE_FAST=0 during the model's forward: every "
     "block recorded (the default on CPU)",
     "budget50+fast": "budget50 in the steady state (GRADIENT_SCOPE_FAST=1)",
+    "budget50+recorded": "budget50 with every block recorded (GRADIENT_SCOPE_FAST=0)",
+    "scope_layer_savemm+recorded": "scope_layer_savemm with every block recorded (GRADIENT_SCOPE_FAST=0)",
     "budget50+offload": "budget50 with Budget(..., offload=True): keep, offload to pinned host memory, or recompute",
     "offload_all": "every tensor the model's forward saves offloaded to pinned host memory and prefetched back "
     "(the library's offload engine under a plain saved-tensor hook pair; no scope, nothing recomputed)",
