@@ -8,5 +8,5 @@
   record of it: closures, programs, when each value is freed, which replays run a
   collective (``handles`` P11 [ a replay that communicates reads no liveness ]).
 - ``codegen`` -- a program that runs again, compiled into straight-line Python (RULES
-  C1..C2: when a replay program is compiled, and what its code depends on).
+  C1..C3: when a replay program is compiled, and what its code depends on).
 """

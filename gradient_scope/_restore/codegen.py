@@ -11,7 +11,7 @@ of one structure is read from the record when the function runs: its op records 
 arguments, RNG states) and its refs (the values loaded). The code does what the
 interpreter does, in the same order (``tests/restore/test_replay_code.py`` runs both).
 
-RULES C1..C2: when a replay program is compiled, and what its code depends on.
+RULES C1..C3: when a replay program is compiled, and what its code depends on.
 
 C1. [ compiled at the HOT-th run ] A program is compiled the ``HOT``-th time it runs;
     before, it is interpreted (compiling costs more than one interpretation).
@@ -19,11 +19,16 @@ C2. [ what the code depends on ] The code depends on the program, on where the r
     numeric context changes (R9 [ each op's numeric context ] in ``_record.entry``: the
     code enters a context only where the op it applies to starts) and on ``debug=True``
     (every output compared): one function per combination, cached on the program.
+C3. [ one code per source ] The source does not name sizes, dtypes or devices (the function
+    reads them from its globals): records of one program that differ only in sizes (a batch
+    padded to another length) write the same source, which Python compiles once
+    (``_CODES``); each program binds that code to its own globals.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 import torch
@@ -36,6 +41,9 @@ __all__ = ["HOT", "compiled", "failed"]
 
 Tensor = torch.Tensor
 HOT = 2  # C1 [ compiled at the HOT-th run ]
+#: C3 [ one code per source ]: Python's compiled code per source text (emptied when full)
+_CODES: dict[str, CodeType] = {}
+_CODES_KEPT = 512
 #: The compiled form of a program: ``(ops, refs, cache, contexts, debug_values) -> (value, kept)``.
 Code = Callable[[Any, Any, Any, Any, Any], tuple[Tensor, dict[int, Tensor]]]
 
@@ -96,7 +104,13 @@ def _compile(st: Structure, program: Program, starts: tuple[int, ...], debug: bo
         "    except Exception as e:",
         "        raise failed(O[i].func, e) from e",
     ]
-    exec(compile("\n".join(lines) + "\n", f"<gradient_scope replay of {len(program.plan)} ops>", "exec"), names)
+    source = "\n".join(lines) + "\n"
+    code = _CODES.get(source)
+    if code is None:  # C3 [ one code per source ]
+        if len(_CODES) >= _CODES_KEPT:
+            _CODES.clear()
+        code = _CODES[source] = compile(source, f"<gradient_scope replay of {len(program.plan)} ops>", "exec")
+    exec(code, names)
     return names["replay"]  # type: ignore[no-any-return]
 
 

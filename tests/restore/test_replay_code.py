@@ -1,4 +1,4 @@
-"""Compiled replay (docs/internals.md, ``_restore.codegen`` C1, C2): a program that runs again
+"""Compiled replay (docs/internals.md, ``_restore.codegen`` C1..C3): a program that runs again
 is compiled into straight-line Python, which must do what the interpreter does --
 same values (bitwise), same checks and errors, same memory.
 
@@ -119,6 +119,53 @@ def test_compiled_on_the_second_run_and_bitwise_every_step(monkeypatch):
         if step == 0:
             assert not made  # interpreted
     assert made  # compiled from the second step on
+
+
+def _sized_step(x, w, scoped, seed):
+    """A block whose ops take its sizes (a view and a reshape by its length), forward and
+    backward: the gradients."""
+    n = x.shape[0]
+
+    def block():
+        gen = torch.Generator().manual_seed(seed)
+        h = F.dropout(x.sin(), 0.3, training=True)
+        h = torch.cat([h, torch.empty_like(h).normal_(generator=gen)], dim=1)[:, :8]
+        q = h.view(n, 2, 4).transpose(0, 1)
+        return F.scaled_dot_product_attention(q, q, q).transpose(0, 1).reshape(n, 8) @ w
+
+    torch.manual_seed(seed)
+    if scoped:
+        with recompute_scope():
+            y = block()
+    else:
+        y = block()
+    (y.sin() * w[0]).sum().backward()
+    grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    return grads
+
+
+def test_records_that_differ_in_sizes_share_one_compiled_code(compiled_from_first_run, monkeypatch):
+    """C3: a block at another length is another structure with its own programs, with the same
+    sources: Python compiles them at the first length only, each program binds them to its own
+    sizes (the shape checks see those), and every length's gradients equal plain's, bitwise."""
+    monkeypatch.setattr(plan_code, "_CODES", {}, raising=False)
+    compiles: list[str] = []
+
+    def counting(source, *rest):
+        compiles.append(source)
+        return compile(source, *rest)
+
+    monkeypatch.setitem(plan_code.__dict__, "compile", counting)
+    w = torch.randn(8, 8, requires_grad=True)
+    made = []
+    for n in (3, 5, 7):
+        x = torch.randn(n, 8, requires_grad=True)
+        got, expected = _sized_step(x, w, True, n), _sized_step(x, w, False, n)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), n
+        made.append((len(compiles), len(compiled_from_first_run)))
+    assert made[0][0] > 0 and made[2][0] == made[0][0]  # compiled at the first length only
+    assert made[0][1] < made[1][1] < made[2][1]  # and compiled code ran at every length
 
 
 def _failing_op_program(calls):
