@@ -95,6 +95,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(steady, "_failed", type(steady._failed)())
     monkeypatch.setattr(steady, "_failures", type(steady._failures)())
     monkeypatch.setattr(steady, "_eager", type(steady._eager)())  # D6: no eager run seen yet
+    monkeypatch.setattr(steady, "_takes", type(steady._takes)())  # T6: no template took from a graph yet
     calls = []
     real = steady._steady
 

@@ -36,10 +36,12 @@ T5. [ one numeric context ] A template is used only under the numeric context it
     recorded in; another context records the run as usual.
 T6. [ kept ops' outputs taken from the graph ] An outside tensor the block reads that is
     no graph argument is an output of an op a ``save=`` policy keeps (not recorded:
-    R2 [ kept ops are not recorded ]). The run after the first is recorded again, node
-    by node, to find the graph node whose value holds its storage; later runs return
-    those values too and take the tensor from them (same storage, dtype, shape, strides
-    and offset). Where no node holds it, there is no template.
+    R2 [ kept ops are not recorded ]). A recorded run of the graph node by node finds the
+    graph node whose value holds its storage: the run after the first, or, where a template
+    of the function had such tensors before (a KV cache: a graph per layer, and per
+    length), the first itself. Later runs return those values too and take the tensor from them (same
+    storage, dtype, shape, strides and offset). Where no node holds it, there is no
+    template.
 """
 
 from __future__ import annotations

@@ -156,3 +156,22 @@ def test_a_function_that_changes_at_every_call_stops_capturing(fast, monkeypatch
     assert len(graphs) == reuse.CAPTURES_FREE, len(graphs)
     lines = [r.getMessage() for r in caplog.records if "recorded from now on" in r.getMessage()]
     assert len(lines) == 1 and "none is run again" in lines[0], lines
+
+
+def test_a_kv_cache_at_a_new_length_runs_steady_from_its_second_step(fast):
+    """With the cache on (``use_cache=True``, a config's default), each layer's graph writes the
+    KV cache: tensors the block makes and the cache keeps, which steady runs take from the graph's
+    values (T6 [ kept ops' outputs taken from the graph ]). A new length's first step records each
+    layer's template and finds those values in the same run: at the length's second step every
+    layer runs steady but the one whose graph is checked against an eager run (D6), and every step
+    is plain's, bitwise."""
+    model, plain = apply_recompute(tiny_llama(4), _is_layer), tiny_llama(4)
+    assert model.config.use_cache
+    g = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(3, VOCAB, (2, n), generator=g) for n in (6, 9))
+    for ids in (first, first, first, second):
+        assert _same(_step(model, input_ids=ids, labels=ids), _step(plain, input_ids=ids, labels=ids)), ids.shape
+    before = gradient_scope.model_stats(model)
+    assert _same(_step(model, input_ids=second, labels=second), _step(plain, input_ids=second, labels=second))
+    stats = gradient_scope.model_stats(model) - before
+    assert (stats.calls_steady, stats.recorded_why) == (3, {"graph checked against an eager run": 1}), stats

@@ -138,6 +138,9 @@ _tls = threading.local()
 # D2 [ what dynamo cannot capture is recorded ]: the code of functions recorded from now on (by
 # code: a class made anew per model, a closure made per call, share it, as dynamo's cache does)
 _failed: weakref.WeakSet[Any] = weakref.WeakSet()
+# T6 [ kept ops' outputs taken from the graph ]: the code of functions a template of which took
+# tensors from its graph's nodes
+_takes: weakref.WeakSet[Any] = weakref.WeakSet()
 _NOTHING = contextlib.nullcontext()
 _RETIRED = object()  # a template that diverged (D3 [ saves checked against the template ])
 #: D6 [ the graph must run the eager ops ]: per function's code, per scope options
@@ -454,23 +457,15 @@ class _Graph:
         return _steady(self, tpl, req, list(args))
 
     def _locate(self, req: _Request, tpl: Template, args: list[Any]) -> Any:
-        """T6 [ kept ops' outputs taken from the graph ]: a recorded run node by node, which
-        finds the graph nodes whose values hold the outside tensors the block makes itself."""
-        block = req.block
+        """T6 [ kept ops' outputs taken from the graph ]: the run after a template's first, where
+        that first ran the graph whole: recorded again, node by node, to find the tensors."""
         values = NodeValues(self.gm)
         with _recorder.reinstated():
             out = values.run(*args)
-        block.settle()
-        key, slots = signature(block.record)
-        found = None
-        held = [slots.refs[tpl.input_slots[k]] for k in tpl.captured]
-        if key == tpl.key and all(type(r) is Input for r in held):
-            found = locate(values, [r.tensor for r in held])  # type: ignore[union-attr]
-        if found is None:
+        req.block.settle()
+        key, slots = signature(req.block.record)
+        if key != tpl.key or not _located(tpl, values, slots, self.gm):
             self.templates[req.graph_key] = (req.save, _RETIRED)
-        else:
-            tpl.gm = with_extra_outputs(self.gm, [n for n, _, _ in found])
-            tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
         return out
 
     def _first(self, req: _Request, args: list[Any]) -> Any:
@@ -478,12 +473,21 @@ class _Graph:
         log = Log()
         log.start = {g: g.get_state() for g in default_generators()}
         saved_before = block.frame.stats.ops_saved
+        # T6 [ kept ops' outputs taken from the graph ]: where a template of the function took
+        # tensors from its graph's nodes (a KV cache each layer writes to: a graph per layer, and
+        # per length), this run runs node by node and finds them (an interpreter: ~30 us a node)
+        code = getattr(req.fn, "__func__", req.fn).__code__
+        values = NodeValues(self.gm) if code in _takes else None
         with _recorder.reinstated(), sequencing(Logger(block, log)):
-            out = self.gm(*args)
+            out = self.gm(*args) if values is None else values.run(*args)
         block.settle()
         tpl = build(block.record, log, args, out, len(block.frames), self.nested)
         if tpl is not None:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
+            if tpl.captured:
+                _takes.add(code)
+                if values is not None and not _located(tpl, values, signature(block.record)[1], self.gm):
+                    tpl = None
         _bounded(self.templates)[req.graph_key] = (req.save, tpl if tpl is not None else _RETIRED)
         key = _structure(block.record)
         # D6 [ the graph must run the eager ops ]: compared at the next call that reaches it
@@ -508,6 +512,19 @@ class _Graph:
             "experts off bfloat16). Its first captured run computed dynamo's version, as under "
             "torch.compile; from now on its scopes are recorded eagerly, with no steady state."
         )
+
+
+def _located(tpl: Template, values: NodeValues, slots: Any, gm: torch.fx.GraphModule) -> bool:
+    """T6 [ kept ops' outputs taken from the graph ]: the nodes of ``gm`` whose values (``values``,
+    of the recorded run ``tpl`` was built from, whose slots are ``slots``) hold the outside
+    tensors the block makes itself, noted in ``tpl``; False where one is held by none."""
+    held = [slots.refs[tpl.input_slots[k]] for k in tpl.captured]
+    found = locate(values, [r.tensor for r in held]) if all(type(r) is Input for r in held) else None
+    if found is None:
+        return False
+    tpl.gm = with_extra_outputs(gm, [n for n, _, _ in found])
+    tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
+    return True
 
 
 def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any:
