@@ -60,7 +60,7 @@ from ._harness.machine import machine_info, mark_end
 from ._harness.report import Targets, header_lines, make_log, md_table, results_dir, sections, write_results
 from ._harness.strategies import AA, DESCRIPTIONS, OpCounter, apply_strategy
 from ._harness.suite import Case, run_strategies
-from ._harness.timing import quartiles
+from ._harness.timing import quartiles, sync
 from .hf_zoo import build, preload
 
 __all__ = ["MODELS", "STRATEGIES", "RUN_STRATEGIES", "count_ops", "per_layer", "run_lengths", "one_run", "main"]
@@ -89,6 +89,8 @@ def explicit(name: str, device: str) -> str:
     """``name`` as it runs the recorded path on ``device``: on a GPU, where the steady state is the
     default, ``scope_layer`` is ``scope_layer+recorded`` (the ``+fast`` rows are the steady state)."""
     return f"{name}+recorded" if name in _DEFAULT_PATH and not device.startswith("cpu") else name
+
+
 FULL: dict[str, Any] = dict(size="host", rounds=25, inner=5, warmup=3)
 QUICK: dict[str, Any] = dict(size="tiny", rounds=2, inner=1, warmup=1)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -220,8 +222,8 @@ def to_markdown(results: dict[str, Any]) -> str:
     out = [
         *header_lines("# Host cost per layer", "benchmarks.host_cost", results, ("transformers",)),
         f"- {results.get('device', 'cpu')}, one torch thread; per round the least of {results['inner']} steps per "
-        "strategy, "
-        f"{results['warmup']} warm-up steps first; extra = (strategy - plain) / layers, per round, median (IQR)",
+        f"strategy, {results['warmup']} warm-up steps first; extra = (strategy - plain) / layers, per round, "
+        "median (IQR)",
         "- per op: the extra per layer over the aten ops per layer (forward ops for fwd; forward + backward ops "
         "for fwd+bwd)",
         "",
@@ -257,16 +259,15 @@ def one_run(order: list[str], layers: int, cache: bool, lengths: list[int], seed
     vocab = built.config.get("vocab", 128)
     gen = torch.Generator().manual_seed(seed)
     times: dict[str, list[float]] = {name: [] for name in order}
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for k, length in enumerate(lengths):
         ids = torch.randint(3, vocab, (1, length), generator=gen).to(device)
         for name in order[k % len(order):] + order[:k % len(order)]:
             model = models[name]
             torch.manual_seed(seed)
-            sync()
+            sync(device)
             t = time.perf_counter()
             model(input_ids=ids, labels=ids).loss.backward()
-            sync()
+            sync(device)
             times[name].append(time.perf_counter() - t)
             model.zero_grad(set_to_none=True)
     return {name: {"times_s": t} for name, t in times.items()}
