@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["History", "history", "held_back", "CAPTURES_FREE", "CAPTURES_PER_REUSE", "HELD_MAX"]
+__all__ = ["History", "code_of", "history", "held_back", "CAPTURES_FREE", "CAPTURES_PER_REUSE", "HELD_MAX"]
 
 #: graphs a function may have before any of them is reused
 CAPTURES_FREE = 8
@@ -48,10 +48,15 @@ class History:
 _histories: weakref.WeakKeyDictionary[types.CodeType, History] = weakref.WeakKeyDictionary()
 
 
+def code_of(fn: Callable[..., Any]) -> types.CodeType:
+    """The code what the steady state knows of ``fn`` is kept by: a bound method's function's,
+    shared by the closures one ``def`` or ``lambda`` makes, as dynamo's cache is."""
+    return getattr(fn, "__func__", fn).__code__
+
+
 def history(fn: Callable[..., Any]) -> History:
-    """The :class:`History` of ``fn``'s code (a bound method's function's; shared by the closures
-    one ``def`` or ``lambda`` makes, as dynamo's cache is)."""
-    code = getattr(fn, "__func__", fn).__code__
+    """The :class:`History` of ``fn``'s code (:func:`code_of`)."""
+    code = code_of(fn)
     found = _histories.get(code)
     if found is None:
         found = _histories[code] = History()

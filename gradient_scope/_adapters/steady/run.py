@@ -128,7 +128,7 @@ from ..._save.pack import sequencing
 from ..._save.sequencer import Logger, Sequencer
 from ..dynamo import entry, guard_hooks, hooks_guarded, hush, hushed
 from .capture import NodeValues, locate, take, with_extra_outputs
-from .reuse import History, held_back, history
+from .reuse import History, code_of, held_back, history
 
 __all__ = ["run"]
 
@@ -161,7 +161,7 @@ class _RunEager(Exception):
 
 
 def _eager_keys(fn: Callable[..., Any], key: Any) -> deque[Hashable]:
-    code = getattr(fn, "__func__", fn).__code__
+    code = code_of(fn)
     per = _eager.get(code)
     if per is None:
         per = _eager[code] = {}
@@ -331,7 +331,7 @@ def _failure(e: BaseException) -> str | None:
 
 
 def _failed_once(fn: Callable[..., Any], e: str) -> None:
-    code = getattr(fn, "__func__", fn).__code__
+    code = code_of(fn)
     n = _failures[code] = _failures.get(code, 0) + 1
     if n >= _RETRIES:
         _give_up(fn, e)
@@ -476,7 +476,7 @@ class _Graph:
         # T6 [ kept ops' outputs taken from the graph ]: where a template of the function took
         # tensors from its graph's nodes (a KV cache each layer writes to: a graph per layer, and
         # per length), this run runs node by node and finds them (an interpreter: ~30 us a node)
-        code = getattr(req.fn, "__func__", req.fn).__code__
+        code = code_of(req.fn)
         values = NodeValues(self.gm) if code in _takes else None
         with _recorder.reinstated(), sequencing(Logger(block, log)):
             out = self.gm(*args) if values is None else values.run(*args)
@@ -502,9 +502,9 @@ class _Graph:
         if pending is None or pending == key:
             self.unverified.pop(req.graph_key, None)
             return
-        func = getattr(req.fn, "__func__", req.fn)
-        if func.__code__ in _failed:
+        if code_of(req.fn) in _failed:
             return
+        func = getattr(req.fn, "__func__", req.fn)
         _give_up(req.fn, "its graph runs other ops than the function does eagerly")
         warn_user(
             f"gradient_scope: {func.__qualname__} runs other ops when dynamo traces it than when it runs "
