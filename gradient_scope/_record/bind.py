@@ -90,6 +90,10 @@ class Binding:
         for k, t in zip(tpl.captured, tensors):
             inp = inputs[k] = Input(t)
             s = tpl.input_slots[k]
+            marker = tpl.refs[s]
+            # ``t`` is the graph's copy of one the block writes to (R1 [ a written input is copied ])
+            if marker.snapshot:
+                inp.snapshot, inp.writes = True, marker.writes
             self.refs[s] = inp
             self.of[id(inp)] = s
         ops = self.record.ops

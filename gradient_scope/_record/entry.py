@@ -115,11 +115,21 @@ class _Inputs:
     """The tensors from outside an open block that it reads (R1 [ a written input is copied ],
     R5 [ another block's live tensor is noted ])."""
 
-    __slots__ = ("cache", "written")
+    __slots__ = ("cache", "written", "originals")
 
     def __init__(self) -> None:
         self.cache: dict[int, Input] = {}  # by id(tensor), while it is unchanged
         self.written: set[int] = set()  # storages the block wrote to (R1 [ a written input is copied ])
+        # Where asked for (``keep_originals``: a steady state's template run, which finds in its
+        # graph the tensors the block made itself): per Input copied at a write, by id, the
+        # tensor it was read from and its version then.
+        self.originals: dict[int, tuple[Tensor, int | None]] | None = None
+
+    def keep_originals(self) -> dict[int, tuple[Tensor, int | None]]:
+        """From now on, note what each Input copied at a write was read from (kept until the
+        block closes); the notes."""
+        self.originals = {}
+        return self.originals
 
     def of(self, t: Tensor, entry: _registry.Entry | None) -> Input:
         """The Input standing for ``t`` (``entry``: t's registry entry if another block made it)."""
@@ -132,7 +142,7 @@ class _Inputs:
         inp = Input(t)
         if not inp.snapshot:
             if self.written and data_address(t) in self.written:
-                inp.take_snapshot()  # R1 [ a written input is copied ]
+                self._copy(inp)  # R1 [ a written input is copied ]
             else:
                 self.cache[key] = inp
                 if entry is not None and entry() is t:
@@ -147,10 +157,15 @@ class _Inputs:
             self.written.add(key)
             for k, inp in list(self.cache.items()):
                 if data_address(inp.tensor) == key:
-                    inp.take_snapshot()
+                    self._copy(inp)
                     del self.cache[k]
         if not root.snapshot:
-            root.take_snapshot()
+            self._copy(root)
+
+    def _copy(self, inp: Input) -> None:
+        if self.originals is not None:
+            self.originals[id(inp)] = (inp.tensor, inp.tensor._version)
+        inp.take_snapshot()
 
 
 class OpenBlock:

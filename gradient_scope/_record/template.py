@@ -13,8 +13,9 @@ RULES T1..T6: what makes a recorded run a template.
 
 T1. [ one plain block ] The record is one block, one frame, one numeric context, and
     every outside tensor it read is a graph argument, read, never written (no
-    R1 [ a written input is copied ] copy) and not a wrapper subclass; every write to a
-    block tensor is replayable (no R10 [ an unseen write makes an Input ] write), no
+    R1 [ a written input is copied ] copy), or one of
+    T6 [ kept ops' outputs taken from the graph ], and not a wrapper subclass; every write to
+    a block tensor is replayable (no R10 [ an unseen write makes an Input ] write), no
     storage group with members of separate version counters has two among the graph's
     outputs (so none can escape a run: P8 [ groups of separate counters ]) and no tensor
     is a jagged nested one.
@@ -41,7 +42,11 @@ T6. [ kept ops' outputs taken from the graph ] An outside tensor the block reads
     of the function had such tensors before (a KV cache: a graph per layer, and per
     length), the first itself. Later runs return those values too and take the tensor from them (same
     storage, dtype, shape, strides and offset). Where no node holds it, there is no
-    template.
+    template. Where the block writes to it (a router that normalises its kept top-k weights in
+    place), the record holds a copy taken before the first write
+    (R1 [ a written input is copied ]): later runs' graphs copy the node's value as soon as the
+    node has run, which is that value where the recorded run saw the tensor at one version
+    from the node to the copy; else there is no template.
 """
 
 from __future__ import annotations
@@ -222,12 +227,17 @@ def _copy_refs(slots: Slots, args: list[Any], t: Template) -> dict[int, Any] | N
         if type(r) is Input:
             src = r.source()
             k = position.get(id(src), -1) if src is not None else -1
-            if r.snapshot or r.writes or r.storage is not None:
+            written = r.snapshot or bool(r.writes)
+            if r.storage is not None or (
+                written and (k >= 0 or r.version is None or any(w is None for _, w in r.writes))
+            ):
                 return None
             c = Marker(len(t.args))
             if k < 0:
                 # T6 [ kept ops' outputs taken from the graph ]: found in the graph by the next run
                 t.captured.append(len(t.args))
+                if written:  # its value before the block's writes, copied in the graph
+                    c.snapshot, c.writes = True, list(r.writes)
             t.args.append(k)
             t.input_slots.append(s)
         else:

@@ -78,8 +78,10 @@ def _structure(record: BlockRecord) -> list[Any]:
 
 
 def test_hot_path_records_what_the_general_path_records():
-    x = torch.randn(24, requires_grad=True)
-    w = torch.randn(3, 5, requires_grad=True)
+    # Seeded: about one draw in fifteen overflows the final exp, and NaN gradients compare unequal.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, generator=g, requires_grad=True)
+    w = torch.randn(3, 5, generator=g, requires_grad=True)
     hot, out_hot = _record_of(lambda: _program(x, w))
     general, out_general = _record_of(lambda: _program(x, w), save=lambda func: False)
     assert any(rec.func is torch.ops.aten._unsafe_view.default for rec in hot.ops)
@@ -90,7 +92,7 @@ def test_hot_path_records_what_the_general_path_records():
     assert torch.equal(out_hot, out_general)
     g_hot = torch.autograd.grad(out_hot.sum(), (x, w))
     g_ref = torch.autograd.grad(_program(x, w).sum(), (x, w))
-    assert all(torch.equal(a, b) for a, b in zip(g_hot, g_ref))
+    assert all(torch.isfinite(a).all() and torch.equal(a, b) for a, b in zip(g_hot, g_ref))
 
 
 def test_tensors_made_where_block_tensors_died_are_block_tensors():

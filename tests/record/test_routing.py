@@ -65,6 +65,18 @@ class DenseMoE(nn.Module):
         return h + sum(gates[:, e, None] * expert(h) for e, expert in enumerate(self.experts))
 
 
+class NormalisedMoE(DenseMoE):
+    """Mixtral's router: top-k of the softmax, whose kept weights it normalises in place
+    (the block writes to a tensor it did not record, then reads it again)."""
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        top, idx = self.router(h).softmax(dim=-1).topk(K, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        gates = torch.zeros(h.shape[0], E, device=h.device, dtype=h.dtype).scatter(1, idx, top)
+        return h + sum(gates[:, e, None] * expert(h) for e, expert in enumerate(self.experts))
+
+
 class Net(nn.Module):
     def __init__(self, moe):
         super().__init__()
@@ -192,6 +204,22 @@ def test_steady_state_stores_the_routing_too(moe, fast):
         assert fast, "the steady state never ran"
 
 
+def test_steady_state_runs_a_router_that_normalises_its_kept_weights_in_place(fast):
+    """The kept top-k values are written by the block (R1 copies them before the write, and
+    copies the written tensor where it is read again): a steady run copies both in its graph
+    (T6), so the layers run steady, with plain's gradients."""
+    x = torch.randn(T, D)
+    plain = _net(NormalisedMoE)
+    model = _net(NormalisedMoE)
+    apply_recompute(model, check_fn=NormalisedMoE)
+    for step in range(4):
+        before = gradient_scope.model_stats(model)
+        assert_all_same(_step(model, x + step), _step(plain, x + step))
+    last = gradient_scope.model_stats(model) - before
+    assert (last.calls_steady, last.calls_recorded) == (2, 0), last.recorded_why
+    assert gradient_scope.model_stats(model).calls_steady == len(fast)
+
+
 def _mixtral(seed=0):
     import transformers
 
@@ -251,6 +279,20 @@ def test_mixtral_gradients_equal_plain_with_its_routing_stored():
     enable(model, debug=True)
     with pytest.raises(RecomputeError, match=r"replaying aten\.\w+\.\w+ gave different values"):
         _mixtral_step(model, ids, between=_perturb_gates)
+
+
+def test_mixtral_runs_steady_with_plains_gradients(fast):
+    """In bfloat16 (in float32 its experts branch on ``is_compiling()``: recorded, warned)."""
+    from gradient_scope.integrations.transformers import enable
+
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain, model = _mixtral().to(torch.bfloat16), _mixtral().to(torch.bfloat16)
+    enable(model)
+    for _ in range(4):
+        before = gradient_scope.model_stats(model)
+        assert_all_same(_mixtral_step(model, ids), _mixtral_step(plain, ids))
+    last = gradient_scope.model_stats(model) - before
+    assert (last.calls_steady, last.calls_recorded) == (2, 0), last.recorded_why
 
 
 @pytest.mark.parametrize("moe", [DispatchMoE, DenseMoE])

@@ -14,14 +14,14 @@ the tensor from such a value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..._base.torch_compat import storage_id
 
-__all__ = ["NodeValues", "locate", "with_extra_outputs", "take"]
+__all__ = ["NodeValues", "Found", "locate", "with_extra_outputs", "take", "copy_of"]
 
 Tensor = torch.Tensor
 #: (dtype, size, stride, storage offset) of a tensor taken from a node's value.
@@ -39,48 +39,69 @@ def _tensors(value: Any) -> list[tuple[int, Tensor]]:
 
 class NodeValues(torch.fx.Interpreter):
     """Runs a graph node by node (values freed as the graph frees them), remembering a
-    weak reference to the storage of every tensor value."""
+    weak reference to the storage of every tensor value, and its version then."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         super().__init__(gm)
-        self.seen: list[tuple[torch.fx.Node, int, StorageWeakRef]] = []
+        self.seen: list[tuple[torch.fx.Node, int, StorageWeakRef, int | None]] = []
 
     def run_node(self, n: torch.fx.Node) -> Any:
         value = super().run_node(n)
         if n.op in ("call_function", "call_method", "call_module", "get_attr"):
             for j, t in _tensors(value):
                 if t.layout == torch.strided:
-                    self.seen.append((n, j, StorageWeakRef(t.untyped_storage())))
+                    version = None if t.is_inference() else t._version
+                    self.seen.append((n, j, StorageWeakRef(t.untyped_storage()), version))
         return value
 
 
-def locate(values: NodeValues, tensors: Sequence[Tensor]) -> list[tuple[torch.fx.Node, int, Layout]] | None:
-    """For each of ``tensors`` (alive), the first node whose value holds its storage, with
-    the tensor's layout; None if one is held by no node."""
+class Found(NamedTuple):
+    """Where a tensor is in a graph's values: the node, the element of its value (-1: the
+    value itself), the tensor's layout there, and whether later runs take a copy made as
+    soon as the node has run (the block wrote to it)."""
+
+    node: torch.fx.Node
+    element: int
+    layout: Layout
+    copy: bool
+
+
+def locate(values: NodeValues, tensors: Sequence[tuple[Tensor, int | None, bool]]) -> list[Found] | None:
+    """For each of ``tensors`` (alive; with the version it had where the record copied it, and
+    whether it did), the first node whose value holds its storage (at that version, for a
+    copy), with the tensor's layout; None if no node does."""
     found = []
-    for t in tensors:
+    for t, version, copy in tensors:
         cdata = storage_id(t)
-        for n, j, ref in values.seen:
-            if ref.cdata == cdata and not ref.expired():
+        for n, j, ref, seen in values.seen:
+            # A copy's node left the storage at the version it was copied at: no write lies
+            # between the node and the copy the record holds.
+            if ref.cdata == cdata and not ref.expired() and (not copy or seen == version):
                 layout = (t.dtype, t.shape, tuple(t.stride()), int(t.storage_offset()))
-                found.append((n, j, layout))
+                found.append(Found(n, j, layout, copy))
                 break
         else:
             return None
     return found
 
 
-def with_extra_outputs(gm: torch.fx.GraphModule, nodes: Sequence[torch.fx.Node]) -> torch.fx.GraphModule:
-    """A copy of ``gm`` that returns the values of ``nodes`` after its own outputs."""
+def with_extra_outputs(gm: torch.fx.GraphModule, found: Sequence[Found]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` that returns, after its own outputs, the values of the ``found`` nodes,
+    or a copy of the tensor taken as soon as its node has run."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    copies: dict[int, torch.fx.Node] = {}
     for n in gm.graph.nodes:
         if n.op == "output":
             outs = n.args[0]
             own = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-            graph.output(tuple(torch.fx.map_arg(own, lambda a: env[a])) + tuple(env[x] for x in nodes))
-        else:
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            extra = tuple(copies[e] if f.copy else env[f.node] for e, f in enumerate(found))
+            graph.output(tuple(torch.fx.map_arg(own, lambda a: env[a])) + extra)
+            continue
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        for e, f in enumerate(found):
+            if f.copy and f.node is n:
+                copies[e] = graph.call_function(copy_of, (env[n], f.element, f.layout))
     return torch.fx.GraphModule(gm, graph)
 
 
@@ -92,3 +113,9 @@ def take(value: Any, element: int, layout: Layout) -> Tensor:
     with torch.no_grad():
         out.set_(t.untyped_storage(), offset, size, stride)
     return out
+
+
+def copy_of(value: Any, element: int, layout: Layout) -> Tensor:
+    """A copy of what :func:`take` takes, made as ``Input.take_snapshot`` makes one."""
+    with torch.no_grad():
+        return take(value, element, layout).clone(memory_format=torch.preserve_format)

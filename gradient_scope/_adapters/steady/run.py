@@ -460,11 +460,12 @@ class _Graph:
         """T6 [ kept ops' outputs taken from the graph ]: the run after a template's first, where
         that first ran the graph whole: recorded again, node by node, to find the tensors."""
         values = NodeValues(self.gm)
+        originals = req.block.inputs.keep_originals()
         with _recorder.reinstated():
             out = values.run(*args)
         req.block.settle()
         key, slots = signature(req.block.record)
-        if key != tpl.key or not _located(tpl, values, slots, self.gm):
+        if key != tpl.key or not _located(tpl, values, slots, self.gm, originals):
             self.templates[req.graph_key] = (req.save, _RETIRED)
         return out
 
@@ -478,6 +479,7 @@ class _Graph:
         # per length), this run runs node by node and finds them (an interpreter: ~30 us a node)
         code = code_of(req.fn)
         values = NodeValues(self.gm) if code in _takes else None
+        originals = block.inputs.keep_originals() if values is not None else {}
         with _recorder.reinstated(), sequencing(Logger(block, log)):
             out = self.gm(*args) if values is None else values.run(*args)
         block.settle()
@@ -486,7 +488,7 @@ class _Graph:
             tpl.ops_saved = block.frame.stats.ops_saved - saved_before
             if tpl.captured:
                 _takes.add(code)
-                if values is not None and not _located(tpl, values, signature(block.record)[1], self.gm):
+                if values is not None and not _located(tpl, values, signature(block.record)[1], self.gm, originals):
                     tpl = None
         _bounded(self.templates)[req.graph_key] = (req.save, tpl if tpl is not None else _RETIRED)
         key = _structure(block.record)
@@ -514,16 +516,30 @@ class _Graph:
         )
 
 
-def _located(tpl: Template, values: NodeValues, slots: Any, gm: torch.fx.GraphModule) -> bool:
+def _located(
+    tpl: Template, values: NodeValues, slots: Any, gm: torch.fx.GraphModule, originals: dict[int, Any]
+) -> bool:
     """T6 [ kept ops' outputs taken from the graph ]: the nodes of ``gm`` whose values (``values``,
-    of the recorded run ``tpl`` was built from, whose slots are ``slots``) hold the outside
-    tensors the block makes itself, noted in ``tpl``; False where one is held by none."""
+    of the recorded run ``tpl`` was built from, whose slots are ``slots``, whose Inputs copied
+    at a write were read from ``originals``) hold the outside tensors the block makes itself,
+    noted in ``tpl``; False where one is held by none."""
     held = [slots.refs[tpl.input_slots[k]] for k in tpl.captured]
-    found = locate(values, [r.tensor for r in held]) if all(type(r) is Input for r in held) else None
+    if not all(type(r) is Input for r in held):
+        return False
+    wanted = []
+    for r in held:
+        if r.snapshot:  # copied before the block's first write to it: the tensor it was read from
+            t, version = originals.get(id(r), (None, None))
+            if t is None or version != r.version:
+                return False
+            wanted.append((t, version, True))
+        else:
+            wanted.append((r.tensor, None, False))
+    found = locate(values, wanted)
     if found is None:
         return False
-    tpl.gm = with_extra_outputs(gm, [n for n, _, _ in found])
-    tpl.capture = [(e, j, layout) for e, (_, j, layout) in enumerate(found)]
+    tpl.gm = with_extra_outputs(gm, found)
+    tpl.capture = [(e, -2 if f.copy else f.element, f.layout) for e, f in enumerate(found)]
     return True
 
 
@@ -542,7 +558,8 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
             n = len(out) - len(tpl.captured)
             out, extras = tuple(out[:n]), out[n:]
             if tpl.capture:
-                taken = [take(extras[e], j, layout) for e, j, layout in tpl.capture]
+                # (element -2: the graph's copy of one the block writes to)
+                taken = [extras[e] if j == -2 else take(extras[e], j, layout) for e, j, layout in tpl.capture]
         seq.finish(out, taken)
     finally:
         if seq.diverged:  # D3 [ saves checked against the template ]: recorded from the next run on
