@@ -7,7 +7,8 @@ same seeds: losses and gradients bitwise equal at every step, and at least one s
 every program bound from its template (a steady run) unless dynamo cannot capture it.
 
 A program is straight-line Python source (elementwise and matmul ops, views, in-place
-writes to intermediates, dropout, softmax, layer norm, a branch on an argument), compiled
+writes to intermediates and to top-k's stored values, dropout, softmax, layer norm, a branch
+on an argument), compiled
 once with ``exec`` so that every step calls the same function object, as a model's layer
 is called every step.
 
@@ -55,6 +56,7 @@ _OPS = {
     "sum_keep": (1, "{a} - {a}.sum(dim=1, keepdim=True) / 6.0"),
     "view_write": (1, "torch.relu({a}).clone().transpose(0, 1).contiguous().mul_(0.5)"),
     "slice_write": (1, "_slice_write({a})"),
+    "topk_norm": (1, "_topk_norm({a})"),
 }
 
 
@@ -63,6 +65,14 @@ def _slice_write(a: torch.Tensor) -> torch.Tensor:
     b = a.sin()
     b[:, :2].mul_(3.0)
     return b * a
+
+
+def _topk_norm(a: torch.Tensor) -> torch.Tensor:
+    """Mixtral's router: top-k's values (stored, never recomputed) divided in place, read
+    before the write and after it."""
+    v, i = torch.softmax(a, dim=-1).topk(2, dim=-1)
+    v /= v.sum(dim=-1, keepdim=True)
+    return a.scatter(1, i, v * a.gather(1, i))
 
 
 _INPLACE = ("add_", "mul_", "clamp_")
@@ -121,7 +131,7 @@ def _run(
 def test_steady_runs_equal_plain(n, fast):
     rng = random.Random(None if RANDOM else 7919 * n + 1)
     source, _ = _program(rng)
-    scope: dict = {"torch": torch, "F": F, "_slice_write": _slice_write}
+    scope: dict = {"torch": torch, "F": F, "_slice_write": _slice_write, "_topk_norm": _topk_norm}
     exec(compile(source, f"<steady program {n}>", "exec"), scope)
     fn = scope["f"]
     # How it is scoped: checkpoint, a save= policy (the outputs it keeps come from the graph,
