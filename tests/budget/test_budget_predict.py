@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import gradient_scope
 from gradient_scope import Budget, apply_recompute
 from gradient_scope._budget import block as block_module
 from gradient_scope._budget.planner import recompute_cost
@@ -60,11 +61,14 @@ def pinned_timings(monkeypatch):
 
 
 def test_the_measuring_step_times_each_block():
-    budget, _ = planned("64MiB")
+    budget, model = planned("64MiB")
     r = budget._run.result
     seconds = list(timings(budget).values())
     assert r.timed and len(seconds) == 3
-    assert all(t is not None and t.forward > 0 and t.backward > 0 and t.replay > 0 for t in seconds)
+    assert all(t is not None and t.forward > 0 and t.backward > 0 and t.replay > 0 for t in seconds), (
+        seconds,
+        gradient_scope.model_stats(model).recorded_why,
+    )
     assert r.measured > 0 and r.scale > 0
 
 
