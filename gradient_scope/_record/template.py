@@ -161,8 +161,9 @@ class Template:
         # T6 [ kept ops' outputs taken from the graph ]: outside tensors made in the run
         # (outputs of ops a save= policy keeps): their input indices; how each is taken from the
         # graph's extra outputs, once found (``(extra output, element or -1, (dtype, size,
-        # stride, storage offset))``); the ops that read one (bound when the graph has
-        # returned); the graph that returns them.
+        # stride, storage offset))``, element -2 where the output is a copy of one the block
+        # writes to: ``_adapters.steady.capture.COPIED``); the ops that read one (bound when the
+        # graph has returned); the graph that returns them.
         self.captured: list[int] = []
         self.capture: list[tuple[int, int, tuple[Any, ...]]] | None = None
         self.late_ops: list[int] = []

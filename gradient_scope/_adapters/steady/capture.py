@@ -21,9 +21,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..._base.torch_compat import storage_id
 
-__all__ = ["NodeValues", "Found", "locate", "with_extra_outputs", "take", "copy_of"]
+__all__ = ["NodeValues", "Found", "locate", "with_extra_outputs", "take", "copy_of", "COPIED"]
 
 Tensor = torch.Tensor
+#: The element a capture names where the graph's extra output is the tensor itself: a copy
+#: made as soon as its node has run (:func:`copy_of`), not a value to :func:`take` it from.
+COPIED = -2
 #: (dtype, size, stride, storage offset) of a tensor taken from a node's value.
 Layout = tuple[torch.dtype, torch.Size, tuple[int, ...], int]
 

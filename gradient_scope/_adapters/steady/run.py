@@ -127,7 +127,7 @@ from ..._record.types import BlockRecord, Input
 from ..._save.pack import sequencing
 from ..._save.sequencer import Logger, Sequencer
 from ..dynamo import entry, guard_hooks, hooks_guarded, hush, hushed
-from .capture import NodeValues, locate, take, with_extra_outputs
+from .capture import COPIED, NodeValues, locate, take, with_extra_outputs
 from .reuse import History, code_of, held_back, history
 
 __all__ = ["run"]
@@ -539,7 +539,7 @@ def _located(
     if found is None:
         return False
     tpl.gm = with_extra_outputs(gm, found)
-    tpl.capture = [(e, -2 if f.copy else f.element, f.layout) for e, f in enumerate(found)]
+    tpl.capture = [(e, COPIED if f.copy else f.element, f.layout) for e, f in enumerate(found)]
     return True
 
 
@@ -558,8 +558,7 @@ def _steady(graph: _Graph, tpl: Template, req: _Request, args: list[Any]) -> Any
             n = len(out) - len(tpl.captured)
             out, extras = tuple(out[:n]), out[n:]
             if tpl.capture:
-                # (element -2: the graph's copy of one the block writes to)
-                taken = [extras[e] if j == -2 else take(extras[e], j, layout) for e, j, layout in tpl.capture]
+                taken = [extras[e] if j == COPIED else take(extras[e], j, layout) for e, j, layout in tpl.capture]
         seq.finish(out, taken)
     finally:
         if seq.diverged:  # D3 [ saves checked against the template ]: recorded from the next run on
