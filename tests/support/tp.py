@@ -163,11 +163,23 @@ def guarded(fn, *args, **kwargs):
     return out
 
 
+def _rank(rank, worker, port, outdir):
+    """One rank: ``worker(rank, port, outdir)``, with what the imports made out of the
+    collector's reach (``gc.freeze``): a full collection (``StorageWatch.alive`` runs several
+    per step) then scans only what the rank made since, 0.35 s less each."""
+    import torch.distributed.tensor  # noqa: F401
+
+    import gradient_scope  # noqa: F401
+
+    gc.freeze()
+    worker(rank, port, outdir)
+
+
 def spawn_ranks(worker, world):
     """``python script PORT OUTDIR``'s body: ``world`` ranks of ``worker(rank, port, outdir)``."""
     import torch.multiprocessing as mp
 
-    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=world, join=True)
+    mp.spawn(_rank, args=(worker, int(sys.argv[1]), sys.argv[2]), nprocs=world, join=True)
 
 
 def ranks_results(script, outdir, world, timeout, argv=()):
