@@ -25,7 +25,8 @@ For each model (the benchmark GPT of ``benchmarks.gpt`` and the Hugging Face mod
   measuring step: the median over 9 rounds of the budget's step less the code outside
   the layers (plain, each layer passing its input through), each step's CPU time (the
   budget's timing takes the lesser of wall and CPU time too: on a shared machine wall
-  time counts other programs).
+  time counts other programs); and that ratio with each side in units of plain's step
+  timed next to it (the machine's speed drifts between the measuring step and the rounds).
 
 With ``--offload``: ``save_on_cpu`` (torch's offloader), ``offload_all`` (every saved
 tensor through the library's offload engine, nothing recomputed), and ``budget@N+offload``
@@ -166,23 +167,34 @@ def cpu_step(runner: Runner, steps: int = 7) -> float:
     return best
 
 
-def blocks_steps(runner: Runner, outside: Runner, rounds: int = 9) -> list[float]:
+def blocks_steps(runner: Runner, outside: Runner, rounds: int = 9,
+                 reference: Runner | None = None) -> tuple[list[float], list[float]]:
     """The step of ``runner``'s blocks, per round: its step less that of ``outside`` (the
-    code outside the layers), CPU seconds. Taken right after the budget's measuring step,
+    code outside the layers), CPU seconds; and per round the step of ``reference`` (plain:
+    the machine's speed then), if given. Taken right after the budget's measuring step,
     which its prediction comes from: the speed of a shared machine drifts over seconds
-    (the same step's CPU time by 1.5x), so the two are measured as close together as can
-    be. One planned step first (the plan's first use), then ``rounds`` rounds of one step
-    each, in alternating order."""
+    (plain's step by 1.5x, in phases of about half a second), so the two are measured as
+    close together as can be. One planned step first (the plan's first use), then
+    ``rounds`` rounds of one step each, in alternating order."""
     runner.step(SEED)
-    out = []
+    order = [runner, outside] + ([reference] if reference is not None else [])
+    blocks, ref = [], []
     for i in range(rounds):
-        spent = [0.0, 0.0]
-        for k in (0, 1) if i % 2 == 0 else (1, 0):
+        spent = [0.0] * len(order)
+        for k in range(len(order)) if i % 2 == 0 else reversed(range(len(order))):
             t0 = time.process_time()
-            (runner, outside)[k].step(SEED)
+            order[k].step(SEED)
             spent[k] = time.process_time() - t0
-        out.append(spent[0] - spent[1])
-    return out
+        blocks.append(spent[0] - spent[1])
+        ref += spent[2:]
+    return blocks, ref
+
+
+def cpu_once(runner: Runner) -> float:
+    """The CPU time of one step of ``runner`` (seconds)."""
+    t0 = time.process_time()
+    runner.step(SEED)
+    return time.process_time() - t0
 
 
 def bwd_flops(runner: Runner) -> int:
@@ -231,9 +243,11 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
         r = runners[name] = Runner(c, name, share_params=True)
         steps: list[float] = []
         if r.budget is not None:
+            before = cpu_once(plain)  # the machine's speed at the measuring step: plain's step next to it
             r.step(SEED)  # the measuring step, then its plan (outside any timed step)
             r.budget.floor_bytes  # noqa: B018
-            steps = blocks_steps(r, outside)
+            at_measuring = (before + cpu_once(plain)) / 2
+            steps, plains = blocks_steps(r, outside, reference=plain)
         m = res["strategies"][name] = _measured(r, ref, base_flops)
         if r.budget is not None:
             q1, q3 = quartiles(steps)
@@ -242,7 +256,8 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
                      predicted_library_s=r.budget._run.result.library, timed=r.budget._run.result.timed,
                      measured_blocks_s=r.budget._run.result.measured, replay_scale=r.budget._run.result.scale,
                      blocks_steps_s=steps, blocks_measured_s=statistics.median(steps),
-                     blocks_quartiles_s=(q1, q3))
+                     blocks_quartiles_s=(q1, q3), plain_at_measuring_s=at_measuring,
+                     plain_at_measured_s=statistics.median(plains))
             m.update(own_time(c, r.budget.bytes) or {})
         log(f"  {name:20s} held {fmt_mib(m['held']):>8} peak {fmt_mib(m['peak']):>8} recompute "
             f"{m['recompute_flops'] / 1e9:.3f} GFLOP bitwise {m['bitwise']}"
@@ -278,6 +293,9 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
             v["predicted_vs_measured"] = v["predicted_step_s"] / v["blocks_measured_s"]
             q1, q3 = v["blocks_quartiles_s"]
             v["predicted_vs_quartiles"] = (v["predicted_step_s"] / q3, v["predicted_step_s"] / q1)
+            # the same, each side in units of plain's step timed next to it (the machine's drift removed)
+            v["predicted_vs_measured_at_speed"] = v["predicted_vs_measured"] * (
+                v["plain_at_measured_s"] / v["plain_at_measuring_s"])
     if inductor:
         res["inductor"] = inductor_points(c, inductor, ref, log)
     res["curve"] = probe0.budget.curve().rows
@@ -345,6 +363,10 @@ def targets(res: dict[str, Any], hand: list[str] = HAND) -> list[dict[str, Any]]
     if ratios:
         add("predicted step of the blocks within 15% of the measured one", all(0.85 <= r <= 1.15 for r in ratios),
             f"predicted / measured from {min(ratios):.2f} to {max(ratios):.2f}")
+    at_speed = [v["predicted_vs_measured_at_speed"] for v in budgets if "predicted_vs_measured_at_speed" in v]
+    if at_speed:
+        add("the same, each in units of plain's step timed next to it", all(0.85 <= r <= 1.15 for r in at_speed),
+            f"from {min(at_speed):.2f} to {max(at_speed):.2f}")
     add("gradients bitwise equal to plain", all(v["bitwise"] for v in S.values()), "")
     return out
 
@@ -383,7 +405,9 @@ def markdown(results: dict[str, Any]) -> str:
                  f"{100 * v['fraction']:.2f}%" if "fraction" in v else "",
                  f"{v['predicted_step_s'] * 1e3:.1f} / {v['blocks_measured_s'] * 1e3:.1f} ms = "
                  f"{v['predicted_vs_measured']:.2f} ({v['predicted_vs_quartiles'][0]:.2f}..."
-                 f"{v['predicted_vs_quartiles'][1]:.2f})" if "predicted_vs_measured" in v else "", v["bitwise"]]
+                 f"{v['predicted_vs_quartiles'][1]:.2f})" if "predicted_vs_measured" in v else "",
+                 f"{v['predicted_vs_measured_at_speed']:.2f}" if "predicted_vs_measured_at_speed" in v else "",
+                 v["bitwise"]]
                 for n, v in sorted(res["strategies"].items(), key=lambda kv: ("budget" in kv[1], kv[1]["held"]))]
         lines += [
             f"## {name}", "", res["describe"], "",
@@ -391,14 +415,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"{fmt_mib(res['floor'])} MiB; unscoped part {fmt_mib(res['unscoped'])} MiB; planning (once) "
             f"{res['planning_s'] * 1e3:.1f} ms", "",
             md_table(["strategy", "budget MiB", "held MiB", "peak MiB", "recompute GFLOP", "time vs plain",
-                      "budget code", "predicted / measured step", "bitwise"], rows), "",
+                      "budget code", "predicted / measured step", "at plain's speed", "bitwise"], rows), "",
             "predicted / measured step: `Budget.predicted_step_time` (the blocks' forward and backward as timed "
             "in the budget's measuring step, plus the plan's recompute scaled to that step's replays) against "
             "the step of the blocks measured right after that measuring step: the median over 9 rounds of the "
             "budget's step less the code outside the layers (plain with every layer passing its input through, "
             f"{res['outside_s'] * 1e3:.1f} ms at least), each the process's CPU time of one step, the two in "
             "alternating order; in brackets the prediction over the third and the first quartile of those rounds "
-            "(their spread: the machine's noise).",
+            "(their spread: the machine's noise). At plain's speed: the same ratio with each side divided by "
+            "plain's step timed next to it (before and after the measuring step; in each of the 9 rounds): the "
+            "machine's speed drifts between the two moments.",
         ]
         if res.get("inductor"):
             lines += [

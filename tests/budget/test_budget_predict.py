@@ -237,12 +237,20 @@ class _Busy:
 def test_the_benchmark_measures_the_blocks_in_alternating_rounds(monkeypatch):
     """``benchmarks.budget.blocks_steps``: one planned step of the budget first (the
     plan's first use), then rounds of one step each of the budget and of the code outside
-    the layers, in alternating order; per round the difference of their CPU times."""
+    the layers (and of plain, where asked: the machine's speed), in alternating order; per
+    round the difference of their CPU times (and plain's)."""
     import benchmarks.budget as bench
 
     clock = _Clock()
     monkeypatch.setattr(bench, "time", types.SimpleNamespace(process_time=clock.process_time))
     calls = []
-    steps = bench.blocks_steps(_Busy("budget", 0.004, calls, clock), _Busy("outside", 0.001, calls, clock), rounds=4)
+    budget, outside = _Busy("budget", 0.004, calls, clock), _Busy("outside", 0.001, calls, clock)
+    steps, ref = bench.blocks_steps(budget, outside, rounds=4)
     assert calls == ["budget", "budget", "outside", "outside", "budget", "budget", "outside", "outside", "budget"]
     assert steps == pytest.approx([0.003] * 4, abs=1e-12)
+    assert ref == []
+    calls.clear()
+    steps, ref = bench.blocks_steps(budget, outside, rounds=2, reference=_Busy("plain", 0.002, calls, clock))
+    assert calls == ["budget", "budget", "outside", "plain", "plain", "outside", "budget"]
+    assert steps == pytest.approx([0.003] * 2, abs=1e-12)
+    assert ref == pytest.approx([0.002] * 2, abs=1e-12)
