@@ -9,9 +9,6 @@ them with ``from support import ...``, never from this file).
 * ``fast``: ``GRADIENT_SCOPE_FAST=1`` (the steady state) with no graph of an earlier test.
 * ``fresh_dynamo``: dynamo's caches reset around the test, the compile configuration
   checked unchanged after it (the compile tests take it with ``usefixtures``).
-* ``_collector_scans_only_recent_objects`` (autouse): what is alive before each test is
-  frozen (``gc.freeze``), so that the suite's many ``gc.collect()`` calls scan only what the
-  test made.
 
 The hooks at the end serve ``.ci/run``: with ``GS_TESTS_REACH`` the tests that can see
 ``GRADIENT_SCOPE_FAST`` are listed, with ``GS_TESTS_SKIP_UNREACHED`` the others are deselected
@@ -40,22 +37,6 @@ from support.reach import (  # noqa: F401  (.ci/run's hooks: which tests GRADIEN
 # registration of its Enums. Neither concerns the tests (docs/huggingface.md).
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").addFilter(lambda record: "is an Enum subclass" not in record.getMessage())
-
-
-@pytest.fixture(autouse=True)
-def _collector_scans_only_recent_objects():
-    """Before every test, what is alive is collected, then moved out of the collector's sight
-    (``gc.freeze``): torch's and transformers' modules, the modules earlier tests imported
-    lazily (matplotlib: a million objects), the models and graphs they cached. A full
-    ``gc.collect()`` -- tests and their helpers run about 200 a pass, the library some in its
-    distributed runs -- then scans what the test made (it took 0.3-1 s each, 3 of the 13
-    minutes of a 2-core run). What a test makes is collected as usual, so a test's claim that
-    a tensor dies is unchanged; an object alive at a test's start that becomes cyclic garbage
-    later (a cache an earlier test filled) is never collected. With so little left in sight,
-    the collector's automatic full collections come often: a measurement that counts frees
-    collects first (``benchmarks._harness.memory.measure``)."""
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(params=DEVICES)

@@ -49,7 +49,6 @@ in :func:`profile_cpu_memory`, the one place that touches them;
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 from collections.abc import Callable
@@ -138,11 +137,7 @@ def cuda_memory(
 def measure(
     forward: Callable[[], Any], backward: Callable[[Any], Any], device: torch.device | str = "cpu"
 ) -> tuple[Any, int, int]:
-    """``(out, held, peak)`` in bytes on ``device`` (CPU: profiler; CUDA: allocator stats).
-    Earlier garbage is collected first: a collection that the step's allocations trigger
-    would otherwise free it inside the step, and its frees would count against the step's
-    bytes."""
-    gc.collect()
+    """``(out, held, peak)`` in bytes on ``device`` (CPU: profiler; CUDA: allocator stats)."""
     if torch.device(device).type == "cuda":
         return cuda_memory(forward, backward, device)
     return profile_cpu_memory(forward, backward)
