@@ -182,19 +182,10 @@ def blocks_steps(runner: Runner, outside: Runner, rounds: int = 9,
     for i in range(rounds):
         spent = [0.0] * len(order)
         for k in range(len(order)) if i % 2 == 0 else reversed(range(len(order))):
-            t0 = time.process_time()
-            order[k].step(SEED)
-            spent[k] = time.process_time() - t0
+            spent[k] = cpu_step(order[k], 1)
         blocks.append(spent[0] - spent[1])
         ref += spent[2:]
     return blocks, ref
-
-
-def cpu_once(runner: Runner) -> float:
-    """The CPU time of one step of ``runner`` (seconds)."""
-    t0 = time.process_time()
-    runner.step(SEED)
-    return time.process_time() - t0
 
 
 def bwd_flops(runner: Runner) -> int:
@@ -243,10 +234,10 @@ def run_case(c: Case, rounds: int, points: int, log: Callable[[str], None],
         r = runners[name] = Runner(c, name, share_params=True)
         steps: list[float] = []
         if r.budget is not None:
-            before = cpu_once(plain)  # the machine's speed at the measuring step: plain's step next to it
+            before = cpu_step(plain, 1)  # the machine's speed at the measuring step: plain's step next to it
             r.step(SEED)  # the measuring step, then its plan (outside any timed step)
             r.budget.floor_bytes  # noqa: B018
-            at_measuring = (before + cpu_once(plain)) / 2
+            at_measuring = (before + cpu_step(plain, 1)) / 2
             steps, plains = blocks_steps(r, outside, reference=plain)
         m = res["strategies"][name] = _measured(r, ref, base_flops)
         if r.budget is not None:
