@@ -51,6 +51,10 @@ class BlockRun(Protocol):
         """A block being measured saved a tensor of storage ``ptr``, of its group ``group``
         (K2 [ a candidate is one storage ])."""
 
+    def measuring_ran(self, since: tuple[float, float], until: tuple[float, float]) -> None:
+        """The measuring's own code ran from ``since`` to ``until``: not in the forward of
+        the blocks open now (``_budget.timing``)."""
+
     def kept_for_replay(self, block: BlockPlan) -> None:
         """``block`` closed keeping ``block.inputs`` for replay (K2 [ a candidate is one storage ])."""
 
@@ -184,8 +188,8 @@ class BlockPlan:
         # measuring: is it kept anyway (K2 [ a candidate is one storage ])?
         if budget is not None and where is not None:
             budget.saw_storage(where[0], StorageWeakRef(t.untyped_storage()), self, group)
-        if watch is not None:
-            watch.add_own(since)  # not run by a planned step
+        if watch is not None and budget is not None:
+            budget.measuring_ran(since, watch.now())  # not run by a planned step
         return False
 
     def _offload(self, entry: Any, t: Tensor) -> Any:

@@ -198,6 +198,15 @@ class Run:
         (K2 [ a candidate is one storage ])."""
         self._storages[ptr] = (storage, block, group)
 
+    def measuring_ran(self, since: tuple[float, float], until: tuple[float, float]) -> None:
+        """The measuring's own code ran from ``since`` to ``until`` (``_budget.timing``
+        clocks): it is not in the forward of any block open now, whichever block's value it
+        measured (a save after a block closed is in a later block's forward, or none)."""
+        for bp in self.step:
+            watch = bp.watch
+            if watch is not None and watch.closed is None:
+                watch.add_own(since, until)
+
     def kept_for_replay(self, bp: BlockPlan) -> None:
         """``bp`` closed keeping ``bp.inputs`` for replay: saved storages of earlier
         blocks among them are in memory anyway (storing them is free,
@@ -233,18 +242,7 @@ class Run:
             self.result = known  # M8 [ the figures of the last step's plan ]
             _to_agree(self, blocks, regions, structure, False)
             return
-        for bp in blocks:
-            key = (bp.site, bp.occurrence, bp.keys)
-            if bp.known and key in self.seen:
-                # Planned in this step, so not measured: what its last measured step saw
-                # (addresses of then, negated: they never match now's).
-                free, inputs, rng, views, _ = self.seen[key]
-                bp.free = {g: -1 - p for g, p in free.items()}
-                bp.inputs = {-1 - p: n for p, n in inputs.items()}
-                bp.rng = frozenset(-1 - p for p in rng)
-                bp.views = {-1 - p for p in views}
-            else:
-                self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views), _stop_watch(bp))
+        _remember(self, blocks)
         _plan(self, blocks, regions)
         self.results[structure] = self.result  # type: ignore[assignment]
         _to_agree(self, blocks, regions, structure, True)
@@ -372,6 +370,22 @@ def _typical(self: Run, blocks: list[BlockPlan]) -> dict[Any, Timing]:
         got = out.get(bp.keys, [])
         out[bp.keys] = None if got is None or t is None else [*got, t]
     return {k: Timing(*(median_low(v) for v in zip(*map(astuple, ts)))) for k, ts in out.items() if ts}
+
+
+def _remember(self: Run, blocks: list[BlockPlan]) -> None:
+    """An ended step's blocks: what a measured one saw is kept (``seen``); a planned one,
+    not measured, takes what its last measured step saw."""
+    for bp in blocks:
+        key = (bp.site, bp.occurrence, bp.keys)
+        if bp.known and key in self.seen:
+            # addresses of then, negated: they never match now's
+            free, inputs, rng, views, _ = self.seen[key]
+            bp.free = {g: -1 - p for g, p in free.items()}
+            bp.inputs = {-1 - p: n for p, n in inputs.items()}
+            bp.rng = frozenset(-1 - p for p in rng)
+            bp.views = {-1 - p for p in views}
+        else:
+            self.seen[key] = (dict(bp.free), dict(bp.inputs), bp.rng, set(bp.views), _stop_watch(bp))
 
 
 def _stop_watch(bp: BlockPlan) -> Timing | None:

@@ -29,11 +29,13 @@ N5. [ predicted seconds and peak ] Predicted step seconds, anchored to the measu
     lower median of them: with one or two, the lesser), plus the plan's recompute --
     its modelled seconds (each replayed op's kernel at the device's rates and replay's
     bookkeeping, ``Rates.replay``) times the measured replay's seconds per modelled
-    second (in the measuring step every block replays all it saved) -- and the copies
-    compute does not hide. Where a block of the step was not timed, the modelled step instead: three
-    times the ops' kernel seconds, autograd's own cost per op (``Rates.train``), the
-    library's (recording each op, ``Rates.record``; packing each saved tensor,
-    ``Rates.save``), the modelled recompute and the copies.
+    second (in the measuring step every block replays all it saved but the values in
+    memory anyway, which every plan keeps, ``_budget.planner``
+    K2 [ a candidate is one storage ]) -- and the copies compute does not hide. Where a
+    block of the step was not timed, the modelled step instead: three times the ops'
+    kernel seconds, autograd's own cost per op (``Rates.train``), the library's
+    (recording each op, ``Rates.record``; packing each saved tensor, ``Rates.save``),
+    the modelled recompute and the copies.
     The code outside the scopes is not counted. The predicted peak: at each block's
     backward (backward goes from the last block to the first), the bytes kept for it and
     for the blocks before it, the gradients of the parameters of it and of the code
@@ -143,6 +145,9 @@ class _Items:
     floor_ptrs: list[int]
     floor_kind: list[tuple[int, int]]  # (-1, region save index) or (block, ordinal)
     real: dict[int, int]  # candidate -> its storage's bytes, also when free
+    # per block, the values living in storages in memory anyway (the free ones of
+    # K2 [ a candidate is one storage ]): no step replays them, the measuring step neither
+    free: dict[int, set[int]] = field(default_factory=dict)
 
 
 def _collect(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], offload: bool) -> _Items:
@@ -158,6 +163,8 @@ def _collect(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int], 
                 sizes[group] = max(nbytes, sizes.get(group, 0))
         for group, vals in groups.items():
             nbytes = 0 if group in bs.free else sizes[group]
+            if group in bs.free:
+                it.free.setdefault(b, set()).update(vals)
             it.real[len(it.cands)] = sizes[group]
             position = (2 * b + 1) * _SPAN + len(it.cands)
             it.cands.append(Candidate(b, tuple(vals), nbytes))
@@ -334,7 +341,7 @@ def plan_step(blocks: list[BlockSeen], saves: list[SaveSeen], exclude: set[int],
     nsaves = sum(len(bs.saved) for bs in blocks)
     compute = 3 * forward + ops * rates.train
     modelled = compute + ops * rates.record + nsaves * rates.save
-    anchor = _anchor(blocks)
+    anchor = _anchor(blocks, it.free)
     # N5 [ predicted seconds and peak ]: the step without recompute and copies, and the seconds
     # of one modelled second of recompute
     fixed, per = anchor if anchor is not None else (modelled, 1.0)
@@ -393,14 +400,16 @@ def _replayed(blocks: list[BlockSeen], choices: list[BlockChoice]) -> int:
     return out
 
 
-def _anchor(blocks: list[BlockSeen]) -> tuple[float, float] | None:
+def _anchor(blocks: list[BlockSeen], free: dict[int, set[int]]) -> tuple[float, float] | None:
     """N5 [ predicted seconds and peak ] from the measuring step: the blocks' forward and
     backward seconds, and the measured replay's seconds per modelled second of recompute;
-    None where a block was not timed."""
+    None where a block was not timed. ``free``: per block, the values in memory anyway."""
     if not blocks or any(bs.timing is None for bs in blocks):
         return None
     timings = [bs.timing for bs in blocks if bs.timing is not None]
-    full = sum(recompute_cost(bs.graph, set()) for bs in blocks)  # what the measuring step replayed
+    # what the measuring step replayed: every saved value but those in memory anyway (its
+    # handles find them alive), as every plan keeps them (their candidates cost 0 bytes)
+    full = sum(recompute_cost(bs.graph, free.get(b, set())) for b, bs in enumerate(blocks))
     replay = sum(t.replay for t in timings)
     return sum(t.forward + t.backward for t in timings), (replay / full if full > 0 and replay > 0 else 1.0)
 

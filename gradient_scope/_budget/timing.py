@@ -3,16 +3,17 @@
 
 A block measured by its budget (its step is unplanned, ``_budget.block``) carries a
 :class:`Stopwatch`: its forward runs from the block's entry to its close, less the time of
-the measuring's own code (what a planned step does not run: where each save ran, the
-record's measurement, the plan); its backward runs from the first unpack of one of its
-saved tensors to the end of the last, less the time inside those unpacks; and that time
-inside is its replay, since in a measuring step every saved tensor of the block is a
-handle that backward replays. Each interval is read on two clocks, wall time and the
-process's CPU time, and counted as the lesser of them: on a busy machine that preempts
-the process wall time counts other programs, and with other threads of the process
-busy CPU time counts them. Where CUDA is in use (initialized), each mark synchronizes
-the current device first (a one-off cost of the measuring step), so that the marks bracket
-the kernels, and only wall time counts.
+the measuring's own code that ran in it (what a planned step does not run: where each save
+ran, the record's measurement, the plan), whichever block's value that code measured (a
+block's output saved by the next block's first op is measured there); its backward runs
+from the first unpack of one of its saved tensors to the end of the last, less the time
+inside those unpacks; and that time inside is its replay, since in a measuring step every
+saved tensor of the block is a handle that backward replays. Each interval is read on two
+clocks, wall time and the process's CPU time, and counted as the lesser of them: on a busy
+machine that preempts the process wall time counts other programs, and with other threads
+of the process busy CPU time counts them. Where CUDA is in use (initialized), each mark
+synchronizes the current device first (a one-off cost of the measuring step), so that the
+marks bracket the kernels, and only wall time counts.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class Stopwatch:
             return time.perf_counter(), 0.0
         return time.perf_counter(), time.process_time()
 
-    def add_own(self, since: tuple[float, float]) -> None:
-        """The measuring's own code ran from ``since`` until now."""
-        w, c = self.now()
-        self.own = (self.own[0] + w - since[0], self.own[1] + c - since[1])
+    def add_own(self, since: tuple[float, float], until: tuple[float, float]) -> None:
+        """The measuring's own code ran from ``since`` to ``until`` (marks of :meth:`now`),
+        inside this block's forward."""
+        self.own = (self.own[0] + until[0] - since[0], self.own[1] + until[1] - since[1])
 
     def close(self) -> None:
         self.closed = self.now()
