@@ -358,8 +358,25 @@ def targets(res: dict[str, Any], hand: list[str] = HAND) -> list[dict[str, Any]]
     if at_speed:
         add("the same, each in units of plain's step timed next to it", all(0.85 <= r <= 1.15 for r in at_speed),
             f"from {min(at_speed):.2f} to {max(at_speed):.2f}")
+    same = _same_plan(budgets, res["plain"]["held"])
+    if same is not None:
+        (p0, m0), (p1, m1) = same
+        add("A/A: one plan predicted from two measuring steps within 15%", 0.85 <= p1 / p0 <= 1.15,
+            f"the two budgets keeping everything: predicted {1e3 * p0:.1f} and {1e3 * p1:.1f} ms "
+            f"({p1 / p0:.2f}), measured {1e3 * m0:.1f} and {1e3 * m1:.1f} ms ({m1 / m0:.2f})")
     add("gradients bitwise equal to plain", all(v["bitwise"] for v in S.values()), "")
     return out
+
+
+def _same_plan(budgets: list[dict[str, Any]], plain_held: int) -> tuple[tuple[float, float], ...] | None:
+    """(predicted, measured) seconds of the two largest budgets if both keep everything
+    (one plan, planned from two measuring steps: how far one step's figure moves on this
+    machine); else None."""
+    top = [v for v in budgets[-2:] if v["held"] >= plain_held and v["recompute_flops"] == 0
+           and v.get("predicted_step_s") and v.get("blocks_measured_s")]  # fmt: skip
+    if len(top) < 2:
+        return None
+    return tuple((v["predicted_step_s"], v["blocks_measured_s"]) for v in top)
 
 
 def chart(results: dict[str, Any], out: str) -> list[str]:

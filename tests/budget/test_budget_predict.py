@@ -268,3 +268,19 @@ def test_the_benchmark_measures_the_blocks_in_alternating_rounds(monkeypatch):
     assert calls == ["budget", "budget", "outside", "plain", "plain", "outside", "budget"]
     assert steps == pytest.approx([0.003] * 2, abs=1e-12)
     assert ref == pytest.approx([0.002] * 2, abs=1e-12)
+
+
+def test_the_benchmark_repeats_one_plan_as_its_a_a():
+    """``benchmarks.budget.targets``' A/A row: the two largest budgets, both keeping
+    everything (one plan, from two measuring steps), give the spread of one step's figure;
+    where one of them recomputes there is no such row."""
+    import benchmarks.budget as bench
+
+    def row(b, held, flops, predicted, measured):
+        return {"budget": b, "held": held, "recompute_flops": flops, "predicted_step_s": predicted,
+                "blocks_measured_s": measured}  # fmt: skip
+
+    rows = [row(10, 10, 5, 0.5, 0.5), row(99, 100, 0, 0.040, 0.050), row(100, 100, 0, 0.050, 0.045)]
+    assert bench._same_plan(rows, 100) == ((0.040, 0.050), (0.050, 0.045))
+    assert bench._same_plan(rows[:2], 100) is None  # one of the two recomputes
+    assert bench._same_plan([rows[0], rows[2]], 100) is None
