@@ -282,7 +282,8 @@ class Budget:
         step the plan measured (the library's own work in them included: recording,
         packing; the measuring's own code and replays not), plus the plan's recompute
         (:attr:`predicted_recompute`) and the copies compute does not hide -- not the code
-        outside the scopes; None before a plan. Where a block was not timed, the modelled
+        outside the scopes, nor the library's work there (its hooks on the model, each
+        block's call before its scope opens); None before a plan. Where a block was not timed, the modelled
         figure (see :meth:`summary`)."""
         r = self._result()
         return None if r is None else r.step
@@ -397,7 +398,8 @@ class Budget:
                 f"  measured ({fmt_seconds(r.measured)}; the library's own cost per op -- recording, packing --",
                 "  is inside it, replays are not), recompute (modelled per op at this device's rates,",
                 f"  times {r.scale:.3g}: what that step's replays took, replay's bookkeeping included)",
-                "  and copy wait; not the code outside the scopes",
+                "  and copy wait; not the code outside the scopes, nor the library's work there",
+                "  (its hooks on the model, each block's call before its scope opens)",
             ]
         elif r.blocks:  # an eager plan not timed (a compiled one counts its recompute only)
             lines += [
