@@ -27,6 +27,7 @@ import gc
 import os
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from gradient_scope import Budget, apply_recompute
 from gradient_scope._budget import run as _run_module
 from gradient_scope._budget.streams import host_copy_stand_in
 
-from support import assert_all_same, pinned_cpu_rates
+from support import assert_all_same, older_objects_out_of_sight, pinned_cpu_rates
 
 N_EXAMPLES = int(os.environ.get("GS_BUDGET_FUZZ_EXAMPLES", "8"))
 RANDOM = os.environ.get("GS_DIFF_RANDOM", "") not in ("", "0")
@@ -195,6 +196,10 @@ spec_st = st.fixed_dictionaries(
         ),
     }
 )
+
+
+# about 50 full collections (one per step: ``run_step``)
+_older = pytest.fixture(autouse=True, scope="module")(older_objects_out_of_sight)
 
 
 @settings(

@@ -72,7 +72,7 @@ from hypothesis import strategies as st
 from gradient_scope import Budget
 from gradient_scope._budget.streams import host_copy_stand_in
 
-from support import dispatch_depth, patchable, top_hooks
+from support import dispatch_depth, older_objects_out_of_sight, patchable, top_hooks
 from support.fuzz_ops import NEWEST
 from support.fuzz_programs import (
     _RETAINED,
@@ -89,6 +89,9 @@ from support.fuzz_programs import (
     run_program,
 )
 from support.writes import WRITES
+
+# full collections in the checks (liveness, the host pool, state after an exception)
+_older = pytest.fixture(autouse=True, scope="module")(older_objects_out_of_sight)
 
 
 @DIFF_SETTINGS

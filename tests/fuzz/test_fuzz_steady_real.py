@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from gradient_scope import Budget, apply_recompute
 
+from support import older_objects_out_of_sight
 from support.hf_models import VOCAB, make_model
 
 N_EXAMPLES = int(os.environ.get("GS_STEADY_REAL_EXAMPLES", "3"))
@@ -151,6 +152,10 @@ def _run(ex: dict[str, Any], scoped: bool) -> list[torch.Tensor]:
                 out += [loss.detach(), x.grad, *(p.grad.clone() for p in m.parameters())]
                 m.zero_grad()
     return out
+
+
+# a full collection per step (a cache's cycle goes before backward)
+_older = pytest.fixture(autouse=True, scope="module")(older_objects_out_of_sight)
 
 
 @pytest.mark.parametrize("n", range(N_EXAMPLES))
