@@ -283,8 +283,8 @@ class Budget:
         packing; the measuring's own code and replays not), plus the plan's recompute
         (:attr:`predicted_recompute`) and the copies compute does not hide -- not the code
         outside the scopes, nor the library's work there (its hooks on the model, each
-        block's call before its scope opens); None before a plan. Where a block was not timed, the modelled
-        figure (see :meth:`summary`)."""
+        block's call before its scope opens); None before a plan. Where a block was not
+        timed, the modelled figure (see :meth:`summary`)."""
         r = self._result()
         return None if r is None else r.step
 
